@@ -1,0 +1,153 @@
+"""Analyzer speed at scale: 1,000,000 steps written in the spool format, then load + summarise.
+
+    python benchmarks/analyze_scale.py [--steps 1000000] [--keep DIR]
+
+Writes a run dir the way the Recorder does (Arrow IPC stream chunks of 256 steps: steps, 3 spans per step,
+GPU intervals), then measures in a fresh child process (so the peak RSS is the analyzer's, not the
+generator's): load_run, summarize (no what-if), and the two default what-if replays.
+Goals (issue 2): load + summarise <= 2 s and <= 1 GB peak RSS. Prints measured numbers and goal ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overshoot.spool import BASE_SCHEMAS, SpoolWriter  # noqa: E402
+
+CHUNK = 256
+GOAL_S, GOAL_MB = 2.0, 1024.0
+
+
+def write_synthetic_run(path: Path, n: int, seed: int = 0) -> None:
+    """An async-like engine timeline: CPU busy ~1 ms ± 30 %, GPU ~1.1 ms, 4 batch sizes, vectorised."""
+    rng = np.random.default_rng(seed)
+    busy = (1e6 * rng.uniform(0.7, 1.3, n)).astype("int64")
+    wait = np.maximum(0, (1.1e6 - busy + rng.normal(0, 5e4, n))).astype("int64") + 8_000
+    dur = busy + wait
+    start = 10**10 + np.concatenate([[0], np.cumsum(dur[:-1])])
+    end = start + dur
+    launch = start + (busy * 0.8).astype("int64")
+    gpu_start = np.maximum(launch, np.concatenate([[0], end[:-1] + 50_000]))
+    gpu_end = gpu_start + 1_100_000
+    step = np.arange(n, dtype="int64")
+    batch = (1 << (step // 1000 % 4)).astype("int32")
+    spool = path / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    writer = SpoolWriter(spool, "1000-engine")
+    span_step = np.repeat(step, 3)
+    kind = np.tile(np.array(["busy", "wait", "busy"], dtype=object), n)
+    label = np.tile(np.array(["schedule", "gpu", "update"], dtype=object), n)
+    sched = (busy * 0.8).astype("int64")
+    span_start = np.stack([start, start + sched, start + sched + wait], axis=1).ravel()
+    span_dur = np.stack([sched, wait, busy - sched], axis=1).ravel()
+    phase = np.full(n, "decode", dtype=object)
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        writer.write(
+            "steps",
+            pa.RecordBatch.from_arrays(
+                [
+                    step[lo:hi],
+                    start[lo:hi],
+                    end[lo:hi],
+                    wait[lo:hi],
+                    batch[lo:hi],
+                    batch[lo:hi],
+                    phase[lo:hi],
+                ],
+                schema=BASE_SCHEMAS["steps"],
+            ),
+        )
+        s, e = 3 * lo, 3 * hi
+        writer.write(
+            "spans",
+            pa.RecordBatch.from_arrays(
+                [span_step[s:e], kind[s:e], label[s:e], span_start[s:e], span_dur[s:e]],
+                schema=BASE_SCHEMAS["spans"],
+            ),
+        )
+        writer.write(
+            "gpu",
+            pa.RecordBatch.from_arrays(
+                [step[lo:hi], gpu_start[lo:hi], gpu_end[lo:hi]], schema=BASE_SCHEMAS["gpu"]
+            ),
+        )
+    writer.close()
+    (spool / "1000-engine.json").write_text(json.dumps({"pid": 1000, "thread": "engine", "engine": "scale"}))
+    (path / "meta.json").write_text(json.dumps({"engine": "scale"}))
+
+
+def measure(path: Path) -> dict:
+    from overshoot.analyze import summarize
+    from overshoot.run_dir import load_run
+    from overshoot.whatif import WhatIf
+
+    t0 = time.perf_counter()
+    run = load_run(path)
+    t1 = time.perf_counter()
+    summary = summarize(run)
+    t2 = time.perf_counter()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summarize(run, what_ifs=[WhatIf("gpu", -0.1), WhatIf("cpu", -0.1)])
+    t3 = time.perf_counter()
+    return {
+        "steps": len(run.steps),
+        "spans": len(run.spans),
+        "load_s": t1 - t0,
+        "summarize_s": t2 - t1,
+        "whatif_summarize_s": t3 - t2,
+        "peak_rss_mb": rss_mb,
+        "peak_rss_with_whatif_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "groups": len(summary.groups),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1_000_000)
+    parser.add_argument("--keep", type=Path, help="write (or reuse) the run dir here instead of a temp dir")
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # child process mode
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.keep or Path(tmp) / "scale"
+        if not (path / "meta.json").exists():
+            t = time.perf_counter()
+            write_synthetic_run(path, args.steps)
+            print(f"wrote {args.steps:,} steps to a run dir in {time.perf_counter() - t:.1f} s")
+        child = subprocess.run(
+            [sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True
+        )
+        r = json.loads(child.stdout)
+    total = r["load_s"] + r["summarize_s"]
+    print(f"{'measure':<34}{'value':>12}{'goal':>10}{'ratio':>8}")
+    print(f"{'load_run':<34}{r['load_s']:>11.2f}s")
+    print(f"{'summarize (no what-if)':<34}{r['summarize_s']:>11.2f}s")
+    print(f"{'load + summarize':<34}{total:>11.2f}s{GOAL_S:>9.1f}s{total / GOAL_S:>8.2f}")
+    print(
+        f"{'peak RSS (load + summarize)':<34}{r['peak_rss_mb']:>9.0f} MB{GOAL_MB:>7.0f} MB"
+        f"{r['peak_rss_mb'] / GOAL_MB:>8.2f}"
+    )
+    print(f"{'summarize + 2 what-if replays':<34}{r['whatif_summarize_s']:>11.2f}s  (outside the 2 s budget)")
+    print(f"{'peak RSS incl. what-if':<34}{r['peak_rss_with_whatif_mb']:>9.0f} MB")
+    print(f"({r['steps']:,} steps, {r['spans']:,} spans, {r['groups']} groups)")
+    print("note: the what-if replay of an async timeline is a sequential loop (3 passes: baseline + 2")
+    print("what-ifs); sync timelines take a vectorised path. Timed here, outside the load + summarise goal.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""Decode step time of the reference engine against the HBM floor and Hugging Face transformers, in one run.
+
+    python benchmarks/engine_decode.py              # qwen3-4b, every graph mode x kernel x batch 1/2/4/8
+    python benchmarks/engine_decode.py --check      # first compare greedy outputs (eager == step, ...)
+    python benchmarks/engine_decode.py --preset tiny --batches 1 --no-hf   # quick smoke run
+
+Needs CUDA for meaningful numbers (on a CPU it runs eager only). Everything is measured side by side here:
+- floor: bytes of weights a decode step reads / device copy bandwidth measured in this run;
+- engine: wall time per `Engine.step()` in sync mode (CPU + GPU, nothing overlapped), and the step graph's GPU
+  time alone (back-to-back replays), so the gap is the CPU's exposed share;
+- transformers: the same shape (Qwen3 config, random weights built locally), batch 1, eager with a dynamic
+  cache, and static cache + a CUDA graph of the decode forward captured by hand.
+Writes results.json under --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from reference_engine.config import Config
+from reference_engine.engine import Engine, SamplingParams
+from reference_engine.model import Qwen3Model
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), 2 GiB buffers."""
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    sync()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del src, dst
+    return 2 * 2**31 / seconds
+
+
+def engine_for(model: Qwen3Model, base: Config, **changes) -> Engine:
+    """An engine over the shared weights (the engine rebinds kernels to its own config)."""
+    return Engine(base.replace(**changes), model=model)
+
+
+def time_decode(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict:
+    """ms per decode step (sync), after prefill and warm-up steps (the step graph is captured on step 2)."""
+    params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
+    for i in range(batch):
+        engine.submit([(17 * i + j) % 1000 + 3 for j in range(prompt_len)], params)
+    warm = engine.stats.decode_steps + 4
+    while engine.stats.decode_steps < warm:
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    gpu_ms = float("nan")
+    graph = engine.graphs.graphs.get(("step", batch, True))
+    if graph is not None:  # the whole step's GPU work alone, replayed back to back
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(engine.stream):
+            begin.record()
+            for _ in range(steps):
+                graph.replay()
+            end.record()
+        sync()
+        gpu_ms = begin.elapsed_time(end) / steps
+    while engine.has_work():
+        engine.step()
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "replays": engine.stats.graph_replays}
+
+
+def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) -> dict:
+    """Where the GPU time of one batch-1 step goes: profiler kernel table of step-graph replays, and the GEMMs
+    and LM head timed alone (to compare with what their bytes cost at copy bandwidth)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = engine_for(model, base, graph="step", kernels=kernels)
+    time_decode(engine, 1, 10, 128)
+    # Replays re-run the last step on stale (valid) buffers: fine for timing.
+    graph = engine.graphs.graphs[("step", 1, True)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.cuda.stream(engine.stream):
+            for _ in range(steps):
+                graph.replay()
+        sync()
+    table = {}
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if cuda_us > 0 and event.count:
+            table[event.key[:60]] = (event.count / steps, cuda_us / steps)
+    top = sorted(table.items(), key=lambda kv: -kv[1][1])[:14]
+    print(
+        f"step graph kernels per step ({kernels}): {sum(c for c, _ in table.values()):.0f} launches, "
+        f"{sum(t for _, t in table.values()) / 1e3:.3f} ms"
+    )
+    for name, (count, us) in top:
+        print(f"  {us / 1e3:7.3f} ms  x{count:4.0f}  {name}")
+    del engine
+
+    def timed(fn, reps: int = 50) -> float:
+        fn()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        sync()
+        return begin.elapsed_time(end) / reps
+
+    x = torch.randn(1, base.hidden_size, device="cuda", dtype=model.dtype)
+    layer = model.layers[0]
+    act = torch.randn(1, base.intermediate_size, device="cuda", dtype=model.dtype)
+    att = torch.randn(1, base.num_heads * base.head_dim, device="cuda", dtype=model.dtype)
+    gemm_ms = base.num_layers * sum(
+        timed(lambda w=w, i=i: torch.nn.functional.linear(i, w))
+        for w, i in ((layer.qkv, x), (layer.o_proj, att), (layer.gate_up, x), (layer.down, act))
+    )
+    lm_ms = timed(lambda: torch.nn.functional.linear(x, model.lm_head))
+    result = {"profile_top": {k: v for k, v in top}, "layer_gemms_ms": gemm_ms, "lm_head_ms": lm_ms}
+    print(f"GEMMs alone: layers {gemm_ms:.3f} ms + lm_head {lm_ms:.3f} ms = {gemm_ms + lm_ms:.3f} ms")
+    return result
+
+
+def check(model: Qwen3Model, base: Config, out: dict) -> None:
+    """Greedy outputs: eager vs step (bit-identical at 1 request), model mode, async, torch vs triton."""
+    prompts = [[(31 * p + 7 * j) % 5000 + 3 for j in range(24 + 8 * p)] for p in range(4)]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    results = {}
+    for name, changes in {
+        "eager": dict(graph="eager"),
+        "step": dict(graph="step"),
+        "model": dict(graph="model"),
+        "step-async": dict(graph="step", async_scheduling=True),
+        "eager-torch": dict(graph="eager", kernels="torch"),
+    }.items():
+        engine = engine_for(model, base, **changes)
+        results[name] = [engine.generate([p], params)[0] for p in prompts]  # one request at a time
+        results[name + "-batch4"] = engine.generate(prompts, params)
+        print(f"check {name}: replays={engine.stats.graph_replays} captures={engine.stats.graph_captures}")
+        del engine
+    ref = results["eager"]
+    summary = {}
+    for name, outputs in results.items():
+        same = sum(a == b for x, y in zip(outputs, ref, strict=True) for a, b in zip(x, y, strict=True))
+        summary[name] = f"{same}/{sum(len(x) for x in ref)} tokens equal to eager at 1 request"
+        print(f"  {name:18s} {summary[name]}")
+    out["check"] = summary
+
+
+def hf_baseline(base: Config, steps: int, prompt_len: int) -> dict:
+    """transformers Qwen3, random weights, batch 1: eager (dynamic cache) and static cache + CUDA graph."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, StaticCache
+
+    hf_cfg = Qwen3Config(
+        hidden_size=base.hidden_size,
+        num_hidden_layers=base.num_layers,
+        num_attention_heads=base.num_heads,
+        num_key_value_heads=base.num_kv_heads,
+        head_dim=base.head_dim,
+        intermediate_size=base.intermediate_size,
+        vocab_size=base.vocab_size,
+        tie_word_embeddings=base.tie_embeddings,
+        rope_theta=base.rope_theta,
+        max_position_embeddings=4096,
+    )
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(3, 1000, (1, prompt_len), device="cuda")
+    result = {}
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        sync()
+        result["hf_eager_ms"] = (time.perf_counter() - start) / steps * 1e3
+        try:
+            result["hf_graph_ms"] = _hf_graph(model, hf_cfg, StaticCache, ids, steps)
+        except Exception as exc:  # report, do not hide: the number is then missing
+            result["hf_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+def _hf_graph(model, hf_cfg, static_cache_cls, ids, steps: int) -> float:
+    length = ids.shape[1]
+    try:
+        cache = static_cache_cls(config=hf_cfg, max_cache_len=length + 2 * steps + 16)
+    except TypeError:
+        cache = static_cache_cls(
+            config=hf_cfg,
+            max_batch_size=1,
+            max_cache_len=length + 2 * steps + 16,
+            device="cuda",
+            dtype=torch.bfloat16,
+        )
+    out = model(
+        ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(length, device="cuda")
+    )
+    token = out.logits[:, -1:].argmax(-1)
+    position = torch.tensor([length], device="cuda")
+
+    def decode():
+        logits = model(
+            token, past_key_values=cache, use_cache=True, cache_position=position, position_ids=position[None]
+        ).logits
+        token.copy_(logits[:, -1:].argmax(-1))
+        position.add_(1)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            decode()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+    graph.replay()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    sync()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="qwen3-4b")
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--modes", default="eager,model,step,step-async", help="graph modes; -async: overlap")
+    parser.add_argument("--kernels", default="torch,triton")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--check", action="store_true", help="compare greedy outputs across modes first")
+    parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument(
+        "--gemv-sweep", action="store_true", help="decode GEMM shapes: cuBLAS vs Triton tiles"
+    )
+    parser.add_argument("--profile", action="store_true", help="kernel table of the batch-1 step graph")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    base = Config(preset=args.preset, max_model_len=args.max_model_len)
+    cuda = base.device == "cuda"
+    out = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    t0 = time.perf_counter()
+    model = Qwen3Model.random(base)
+    sync()
+    weight_bytes = model.weight_bytes_per_step()
+    bandwidth = copy_bandwidth(base.device)
+    out.update(
+        weights_gb=weight_bytes / 1e9,
+        copy_tb_s=bandwidth / 1e12,
+        floor_ms=weight_bytes / bandwidth * 1e3,
+        lm_head_share=model.lm_head.numel() * model.lm_head.element_size() / weight_bytes,
+    )
+    print(
+        f"model built in {time.perf_counter() - t0:.1f}s; weights {out['weights_gb']:.2f} GB, "
+        f"copy {out['copy_tb_s']:.2f} TB/s, floor {out['floor_ms']:.3f} ms, "
+        f"lm_head {out['lm_head_share']:.0%}"
+    )
+    if args.check and cuda:
+        check(model, base, out)
+    if args.profile and cuda:
+        out["breakdown"] = breakdown(model, base, kernels=args.kernels.split(",")[-1])
+    rows = []
+    if not args.no_bench:
+        for kernels in args.kernels.split(","):
+            for mode in args.modes.split(","):
+                graph, _, overlap = mode.partition("-")
+                engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap))
+                for batch in map(int, args.batches.split(",")):
+                    r = time_decode(engine, batch, args.steps, args.prompt_len)
+                    rows.append(dict(kernels=kernels, graph=mode, batch=batch, **r))
+                    print(
+                        f"{kernels:6s} {mode:5s} b={batch}: {r['step_ms']:.3f} ms/step "
+                        f"(gpu {r['gpu_ms']:.3f})"
+                    )
+                del engine
+                torch.cuda.empty_cache() if cuda else None
+    out["rows"] = rows
+    if cuda and not args.no_hf:
+        del model
+        torch.cuda.empty_cache()
+        out.update(hf_baseline(base, args.steps, args.prompt_len))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tag = "-".join(args.kernels.split(","))
+    (Path(args.out) / f"results-{tag}.json").write_text(json.dumps(out, indent=2))
+    print_table(out)
+
+
+def print_table(out: dict) -> None:
+    floor, hf = out["floor_ms"], out.get("hf_graph_ms")
+    print(
+        f"\n{out['preset']} on {out['device']} ({out['date']}): floor {floor:.3f} ms "
+        f"({out['weights_gb']:.2f} GB at {out['copy_tb_s']:.2f} TB/s); transformers b=1 eager "
+        f"{out.get('hf_eager_ms', float('nan')):.2f} ms, static+graph {hf or float('nan'):.2f} ms "
+        f"{out.get('hf_graph_error', '')}"
+    )
+    print(
+        f"{'kernels':7s} {'graph':10s} {'batch':>5s} {'ms/step':>8s} {'gpu ms':>7s} "
+        f"{'x floor':>7s} {'HF/this':>7s}"
+    )
+    for r in out["rows"]:
+        speedup = hf / r["step_ms"] if hf else float("nan")
+        print(
+            f"{r['kernels']:7s} {r['graph']:10s} {r['batch']:5d} {r['step_ms']:8.3f} {r['gpu_ms']:7.3f} "
+            f"{r['step_ms'] / floor:7.2f} {speedup:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

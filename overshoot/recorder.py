@@ -1,0 +1,674 @@
+"""The timer API: busy / wait / idle spans and step boundaries on one engine thread, spooled to a run dir.
+
+Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
+`time.perf_counter_ns()` once, and allocates nothing but the clock's int. `rec.busy("x")` returns a context
+manager cached per label. Flushing (Arrow conversion + write) happens between steps, every `flush_steps`
+steps or `flush_seconds`, at idle begin (at most every 10 ms, for engines that poll), on close, atexit and
+SIGTERM/SIGINT (see "process lifecycle" at the bottom of this module). A flush between steps is recorded as
+a busy span labelled "overshoot:flush" at step -1, so its cost is visible and never inflates a step.
+
+Semantics (docs/contracts.md section 1):
+- a step lasts from `step_begin` to the next `step_begin`, `step_end`, `idle_begin` or `close`;
+- wait_ns of a step = union of its outermost wait spans (a wait inside a wait counts once);
+- a span open at a step boundary is split there: the part before belongs to the old step;
+- idle spans end the open step and belong to no step (step -1);
+- GPU: one interval per step, from the first `gpu_begin` to the last `gpu_end` (CUDA events) or from
+  `gpu_span(start_ns, end_ns)` calls (a device whose times are known on the host clock).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import weakref
+from pathlib import Path
+from time import perf_counter_ns
+
+from overshoot._nvtx import make_ranges
+from overshoot.spool import RecorderIO
+
+BUSY, WAIT, IDLE = "busy", "wait", "idle"
+MAX_DEPTH = 64  # deeper nesting is ignored (counted), never an IndexError inside the engine
+FLUSH_LABEL = "overshoot:flush"
+
+
+class _SpanScope:
+    """Reusable `with` object for one (kind, label): entering allocates nothing."""
+
+    __slots__ = ("_begin", "_end", "_label")
+
+    def __init__(self, begin, end, label):
+        self._begin, self._end, self._label = begin, end, label
+
+    def __enter__(self):
+        self._begin(self._label)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):  # explicit arguments: `*exc` would build a tuple per call
+        self._end()
+        return False
+
+
+class _BusyScope:
+    """`with rec.busy(label)` for a recorder without NVTX: busy_begin inlined, one call frame less."""
+
+    __slots__ = ("_rec", "_end", "_label")
+
+    def __init__(self, rec, label):
+        self._rec, self._end, self._label = rec, rec._end, label
+
+    def __enter__(self):
+        rec = self._rec
+        d = rec._depth
+        rec._depth = d + 1
+        if d < MAX_DEPTH:
+            rec._st_label[d] = self._label
+            rec._st_kind[d] = BUSY
+            rec._st_start[d] = perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._end()
+        return False
+
+
+class _IdleScope:
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec):
+        self._rec = rec
+
+    def __enter__(self):
+        self._rec.idle_begin()
+        return self
+
+    def __exit__(self, *exc):
+        self._rec.idle_end()
+        return False
+
+
+class _StepScope:
+    __slots__ = ("_rec", "_facts")
+
+    def __init__(self, rec, facts):
+        self._rec, self._facts = rec, facts
+
+    def __enter__(self):
+        self._rec.step_begin(**self._facts)
+        return self
+
+    def __exit__(self, *exc):
+        self._rec.step_end()
+        return False
+
+
+class Recorder:
+    """Per-thread step timer, writing to RUN/spool/. See the module docstring and docs/contracts.md §1.
+
+    Options (keyword-only): `engine` (name in meta.json), `flush_steps` / `flush_seconds` (chunk size, checked
+    at step boundaries), `nvtx` (None: env OVERSHOOT_NVTX=1), `thread_tag` (file/`thread` name, default the
+    thread's name), `process_info` (merged into RUN/spool/{pid}-{tag}.json, e.g. {"hooks": [...]}),
+    `cuda=True` to set up the CUDA event ring (and its one clock-anchor sync) now rather than at the first
+    `gpu_begin`, `span_capacity` (span buffer rows; default 16 x flush_steps, flushed early when full).
+
+    Signals: handlers for SIGTERM/SIGINT are installed when a Recorder is created on the main thread; a
+    process whose recorders live on other threads should call `install_signal_handlers()` from its main
+    thread (the hook bootstrap does). Without them, atexit still flushes at a normal exit.
+    """
+
+    # Slots, not an instance dict: with this many attributes CPython 3.11 stops sharing dict keys and every
+    # attribute access on the hot path gets ~20% slower.
+    __slots__ = (
+        "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__",
+        "_flush_interval_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap",
+        "_s_step", "_s_start", "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts",
+        "_n_steps", "_spans_cap", "_p_step", "_p_kind", "_p_label", "_p_start", "_p_dur", "_n_spans",
+        "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
+        "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
+        "_step", "_next_step", "_step_start", "_step_wait", "_batch", "_tokens", "_phase", "_facts",
+        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_ring",
+        "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
+        "_busy_scopes", "_wait_scopes", "_idle_scope",
+    )
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        engine: str = "unknown",
+        flush_steps: int = 256,
+        flush_seconds: float = 1.0,
+        nvtx: bool | None = None,
+        thread_tag: str | None = None,
+        process_info: dict | None = None,
+        cuda: bool = False,
+        span_capacity: int | None = None,
+    ):
+        if flush_steps < 1:
+            raise ValueError("flush_steps must be >= 1")
+        self.run_dir = Path(run_dir)
+        self.engine = engine
+        self.flush_steps = flush_steps
+        self._flush_interval_ns = int(flush_seconds * 1e9)
+        self._owner = threading.get_ident()
+        self._nvtx = make_ranges(nvtx)
+        self._nvtx_step = None
+        options = {"flush_steps": flush_steps, "flush_seconds": flush_seconds, "nvtx": self._nvtx is not None}
+        thread_name = threading.current_thread().name
+        self._io = RecorderIO(
+            self.run_dir, engine=engine, thread_name=thread_name, thread_tag=thread_tag or thread_name,
+            options=options, process_info=process_info or {},
+        )
+        self.tag = self._io.tag
+
+        # Columnar buffers: steps (one row per finished step), spans, host-clock GPU intervals.
+        n = flush_steps
+        self._steps_cap = n
+        self._s_step, self._s_start, self._s_end, self._s_wait = [0] * n, [0] * n, [0] * n, [0] * n
+        self._s_batch, self._s_tokens, self._s_phase = [None] * n, [None] * n, [None] * n
+        self._s_facts: list[dict | None] = [None] * n
+        self._n_steps = 0
+        self._spans_cap = span_capacity or max(1024, 16 * n)
+        m = self._spans_cap
+        self._p_step, self._p_kind, self._p_label = [0] * m, [None] * m, [None] * m
+        self._p_start, self._p_dur = [0] * m, [0] * m
+        self._n_spans = 0
+        self._g_step, self._g_start, self._g_end = [0] * n, [0] * n, [0] * n
+        self._n_gpu = 0
+        # Rows [0, watermark) were already written by a flush from another thread (signal handler, atexit).
+        self._w_steps = self._w_spans = self._w_gpu = 0
+
+        # Open-span stack.
+        self._st_kind: list[str | None] = [None] * MAX_DEPTH
+        self._st_label: list[str | None] = [None] * MAX_DEPTH
+        self._st_start = [0] * MAX_DEPTH
+        self._depth = 0
+        self._wait_depth = 0
+        self._wait_start = 0
+
+        # The open step (-1: none).
+        self._step = -1
+        self._next_step = 0
+        self._step_start = 0
+        self._step_wait = 0
+        self._batch = self._tokens = self._phase = None
+        self._facts: dict | None = None
+        self._gpu_t0 = self._gpu_t1 = -1  # host-clock GPU interval of the open step (gpu_span)
+        self._gpu_slot = -1  # CUDA ring slot of the open step
+        self._gpu_ended = False
+        self._ring = None  # None: not tried yet; False: no CUDA
+        self.steps_recorded = 0
+
+        self._flush_lock = threading.Lock()
+        self._flushing_ident: int | None = None
+        self._last_flush_ns = perf_counter_ns()
+        self._closed = False
+        self._busy_scopes: dict[str, _SpanScope | _BusyScope] = {}
+        self._wait_scopes: dict[str, _SpanScope] = {}
+        self._idle_scope = _IdleScope(self)
+        if self._nvtx is not None:
+            self.__class__ = _NvtxRecorder  # span methods that also push/pop NVTX ranges
+        _register(self)
+        if cuda:
+            self._init_gpu()
+
+    # ---- steps ----
+
+    def step_begin(self, batch_size: int | None = None, num_tokens: int | None = None,
+                   phase: str | None = None, **facts) -> None:
+        t = perf_counter_ns()
+        if self._step >= 0 or self._depth:
+            t = self._boundary(t)
+        step = self._step = self._next_step
+        self._next_step = step + 1
+        self._step_start = t
+        self._step_wait = 0
+        self._batch, self._tokens, self._phase = batch_size, num_tokens, phase
+        self._facts = facts or None
+        if self._nvtx is not None:
+            self._nvtx_step = self._nvtx.start_step(step)
+
+    def step_facts(self, batch_size: int | None = None, num_tokens: int | None = None,
+                   phase: str | None = None, **facts) -> None:
+        """Set or override facts of the open step (no-op outside a step)."""
+        if self._step < 0:
+            return
+        if batch_size is not None:
+            self._batch = batch_size
+        if num_tokens is not None:
+            self._tokens = num_tokens
+        if phase is not None:
+            self._phase = phase
+        if facts:
+            self._facts = {**self._facts, **facts} if self._facts else facts
+
+    def step_end(self) -> None:
+        if self._step >= 0:
+            self._boundary(perf_counter_ns())
+
+    def step(self, **facts) -> _StepScope:
+        """`with rec.step(batch_size=1, phase="decode"): ...` = step_begin(...) + step_end()."""
+        return _StepScope(self, facts)
+
+    def _boundary(self, t: int) -> int:
+        """End the open step at `t` (splitting open spans there); maybe flush. Returns the time the next
+        step may start: after the flush, so that flush cost is never counted as a step's busy time."""
+        old = self._step
+        if self._wait_depth:
+            if old >= 0:
+                self._step_wait += t - self._wait_start
+            self._wait_start = t
+        if self._depth:
+            self._split_open_spans(old, t)
+        if old < 0:
+            return t
+        n = self._n_steps
+        self._s_step[n], self._s_start[n], self._s_end[n] = old, self._step_start, t
+        self._s_wait[n] = self._step_wait
+        self._s_batch[n], self._s_tokens[n], self._s_phase[n] = self._batch, self._tokens, self._phase
+        self._s_facts[n] = self._facts
+        if self._gpu_t0 >= 0:
+            g = self._n_gpu
+            self._g_step[g], self._g_start[g], self._g_end[g] = old, self._gpu_t0, self._gpu_t1
+            self._n_gpu = g + 1
+            self._gpu_t0 = self._gpu_t1 = -1
+        if self._gpu_slot >= 0:
+            if self._gpu_ended:
+                self._ring.commit(self._gpu_slot, old)
+            self._gpu_slot = -1
+            self._gpu_ended = False
+        self._n_steps = n + 1
+        self._step = -1
+        self.steps_recorded += 1
+        if self._nvtx is not None:
+            self._nvtx.end_step(self._nvtx_step)
+        if n + 1 >= self._steps_cap or t - self._last_flush_ns >= self._flush_interval_ns:
+            return self._flush_between_steps(t)
+        return t
+
+    def _split_open_spans(self, old: int, t: int) -> None:
+        """Spans still open at a boundary: the part before `t` is recorded for step `old` (-1: none)."""
+        for d in range(min(self._depth, MAX_DEPTH)):
+            kind = self._st_kind[d]
+            if kind is not IDLE and t > self._st_start[d]:
+                self._emit_span(old, kind, self._st_label[d], self._st_start[d], t - self._st_start[d])
+                self._st_start[d] = t
+
+    def _flush_between_steps(self, t: int) -> int:
+        self.flush()
+        t_after = perf_counter_ns()
+        # Visible in the trace: the engine thread spent this time in overshoot, outside any step.
+        self._emit_span(-1, BUSY, FLUSH_LABEL, t, t_after - t)
+        for d in range(min(self._depth, MAX_DEPTH)):
+            if self._st_start[d] == t:
+                self._st_start[d] = t_after
+        if self._wait_depth and self._wait_start == t:
+            self._wait_start = t_after
+        return t_after
+
+    # ---- spans ----
+
+    def busy(self, label: str) -> _SpanScope | _BusyScope:
+        scope = self._busy_scopes.get(label)
+        if scope is None:
+            if self._nvtx is None:
+                scope = _BusyScope(self, label)
+            else:
+                scope = _SpanScope(self.busy_begin, self._end, label)
+            self._busy_scopes[label] = scope
+        return scope
+
+    def wait(self, label: str = "gpu") -> _SpanScope:
+        scope = self._wait_scopes.get(label)
+        if scope is None:
+            scope = self._wait_scopes[label] = _SpanScope(self.wait_begin, self._end, label)
+        return scope
+
+    def idle(self) -> _IdleScope:
+        return self._idle_scope
+
+    # The span stack holds MAX_DEPTH entries; `_depth` keeps counting beyond that so that the matching ends
+    # of spans too deep to record are recognised and ignored. (try/except costs nothing when nothing raises.)
+
+    def busy_begin(self, label: str) -> None:
+        d = self._depth
+        self._depth = d + 1
+        try:
+            self._st_label[d] = label
+        except IndexError:
+            return
+        self._st_kind[d] = BUSY
+        self._st_start[d] = perf_counter_ns()
+
+    def wait_begin(self, label: str = "gpu") -> None:
+        t = perf_counter_ns()
+        d = self._depth
+        self._depth = d + 1
+        try:
+            self._st_label[d] = label
+        except IndexError:
+            return
+        self._st_kind[d] = WAIT
+        self._st_start[d] = t
+        if not self._wait_depth:
+            self._wait_start = t
+        self._wait_depth += 1
+
+    def idle_begin(self) -> None:
+        t = perf_counter_ns()
+        if self._step >= 0:
+            t = self._boundary(t)
+        if self._n_steps > self._w_steps and t - self._last_flush_ns >= 10_000_000:
+            # The thread has nothing to do: a good moment to flush (rate-limited for engines that poll).
+            t = self._flush_between_steps(t)
+        d = self._depth
+        self._depth = d + 1
+        if d < MAX_DEPTH:
+            self._st_kind[d] = IDLE
+            self._st_label[d] = IDLE
+            self._st_start[d] = t
+
+    def _end(self) -> None:
+        """End the innermost open span (any kind). busy_end / wait_end / idle_end are this method."""
+        t = perf_counter_ns()
+        d = self._depth - 1
+        if d < 0:
+            return  # unmatched end: ignore rather than raise inside the engine
+        self._depth = d
+        if d >= MAX_DEPTH:
+            return
+        kind = self._st_kind[d]
+        start = self._st_start[d]
+        step = self._step
+        if kind is WAIT:
+            self._wait_depth -= 1
+            if not self._wait_depth and step >= 0:
+                self._step_wait += t - self._wait_start
+        elif kind is IDLE:
+            step = -1
+        n = self._n_spans
+        self._p_step[n] = step
+        self._p_kind[n] = kind
+        self._p_label[n] = self._st_label[d]
+        self._p_start[n] = start
+        self._p_dur[n] = t - start
+        self._n_spans = n + 1
+        if n + 1 >= self._spans_cap:
+            self.flush()
+
+    busy_end = _end
+    wait_end = _end
+    idle_end = _end
+
+    def _emit_span(self, step: int, kind: str, label: str, start: int, dur: int) -> None:
+        n = self._n_spans
+        self._p_step[n], self._p_kind[n], self._p_label[n], self._p_start[n], self._p_dur[n] = (
+            step, kind, label, start, dur)
+        self._n_spans = n + 1
+        if n + 1 >= self._spans_cap:
+            self.flush()
+
+    # ---- GPU ----
+
+    def gpu_begin(self, stream) -> None:
+        """Record the step's GPU-start CUDA event on `stream` (first call per step only)."""
+        if self._gpu_slot >= 0 or self._step < 0:
+            return
+        ring = self._ring
+        if not ring:
+            if ring is False or not self._init_gpu():
+                return
+            ring = self._ring
+        slot = ring.acquire()
+        if stream is None:
+            ring.begin_events[slot].record()  # the current stream (a ~4 µs lookup): pass the stream
+        else:
+            ring.record(ring.begin_events[slot], stream)
+        self._gpu_slot = slot
+
+    def gpu_end(self, stream) -> None:
+        """(Re-)record the step's GPU-end CUDA event on `stream`: the last call of the step wins."""
+        slot = self._gpu_slot
+        if slot >= 0:
+            ring = self._ring
+            if stream is None:
+                ring.end_events[slot].record()
+            else:
+                ring.record(ring.end_events[slot], stream)
+            self._gpu_ended = True
+
+    def gpu_span(self, start_ns: int, end_ns: int) -> None:
+        """GPU work of the open step whose times are known on the host clock (first start .. last end)."""
+        if self._step < 0:
+            return
+        if self._gpu_t0 < 0:
+            self._gpu_t0 = start_ns
+        self._gpu_t1 = end_ns
+
+    def _init_gpu(self) -> bool:
+        """Create the CUDA event ring (imports torch; one synchronize for the clock anchor)."""
+        from overshoot.gpu import CudaEventRing, cuda_available
+
+        if not cuda_available():
+            self._ring = False
+            return False
+        try:
+            self._ring = CudaEventRing(size=max(256, 4 * self.flush_steps))
+            self._io.set_gpu(self._ring.gpu_name)
+        except Exception as e:  # a measurement tool must not take the engine down: record without GPU times
+            self._ring = False
+            self._io.note_error(f"CUDA events disabled: {type(e).__name__}: {e}")
+            return False
+        return True
+
+    # ---- flush / close ----
+
+    def flush(self) -> None:
+        """Write buffered rows to the spool. Safe from any thread; a re-entrant call (signal handler
+        interrupting a flush on the same thread) is skipped."""
+        me = threading.get_ident()
+        if self._flushing_ident == me:
+            return
+        if self._closed or os.getpid() != self._io.pid:
+            # Closed (or inherited by a forked child): nothing more is written; the owner still rewinds so
+            # the buffers never overflow. No lock: a fork may have copied it held.
+            self._closed = True
+            if me == self._owner:
+                self._rewind(self._n_steps)
+            return
+        with self._flush_lock:
+            self._flushing_ident = me
+            try:
+                self._flush_locked(owner=me == self._owner)
+            finally:
+                self._flushing_ident = None
+
+    def _flush_locked(self, *, owner: bool, drain: bool = False) -> None:
+        n_steps, n_spans, n_gpu = self._n_steps, self._n_spans, self._n_gpu
+        w_steps, w_spans, w_gpu = self._w_steps, self._w_spans, self._w_gpu
+        gpu_rows: tuple[list, list, list] = ([], [], [])
+        if self._ring and not self._closed:
+            (self._ring.drain if drain else self._ring.resolve)(*gpu_rows)
+        if not self._closed:
+            self._io.write_chunk(
+                steps=(self._s_step[w_steps:n_steps], self._s_start[w_steps:n_steps],
+                       self._s_end[w_steps:n_steps], self._s_wait[w_steps:n_steps],
+                       self._s_batch[w_steps:n_steps], self._s_tokens[w_steps:n_steps],
+                       self._s_phase[w_steps:n_steps], self._s_facts[w_steps:n_steps]),
+                spans=(self._p_step[w_spans:n_spans], self._p_kind[w_spans:n_spans],
+                       self._p_label[w_spans:n_spans], self._p_start[w_spans:n_spans],
+                       self._p_dur[w_spans:n_spans]),
+                gpu=(self._g_step[w_gpu:n_gpu] + gpu_rows[0], self._g_start[w_gpu:n_gpu] + gpu_rows[1],
+                     self._g_end[w_gpu:n_gpu] + gpu_rows[2]),
+            )
+        if owner:
+            self._rewind(n_steps)
+        else:
+            self._w_steps, self._w_spans, self._w_gpu = n_steps, n_spans, n_gpu
+        self._last_flush_ns = perf_counter_ns()
+
+    def _rewind(self, n_steps: int) -> None:
+        # Only the owning thread may rewind the buffers: it is their only writer.
+        self._s_facts[:n_steps] = [None] * n_steps
+        self._n_steps = self._n_spans = self._n_gpu = 0
+        self._w_steps = self._w_spans = self._w_gpu = 0
+
+    def close(self) -> None:
+        """End the open spans and step, flush, resolve outstanding GPU events (bounded wait), finalize.
+        From another thread than the owner's, only what is complete is written."""
+        self._close("close")
+
+    def _close(self, reason: str) -> None:
+        if self._closed:
+            return
+        owner = threading.get_ident() == self._owner
+        if owner:
+            while self._depth:  # spans still open end now, inside the open step
+                self._end()
+            if self._step >= 0:
+                self._boundary(perf_counter_ns())
+        self._finish(reason=reason, drain=owner)
+
+    def _finish(self, *, reason: str, drain: bool) -> None:
+        with self._flush_lock:
+            if self._closed:
+                return
+            self._flushing_ident = threading.get_ident()
+            try:
+                self._flush_locked(owner=threading.get_ident() == self._owner, drain=drain)
+                self._closed = True
+                self._io.close(
+                    reason=reason, steps=self.steps_recorded, gpu=self._ring.info() if self._ring else None
+                )
+            finally:
+                self._flushing_ident = None
+        _unregister(self)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def gpu_dropped(self) -> int:
+        return self._ring.dropped if self._ring else 0
+
+
+class _NvtxRecorder(Recorder):
+    """A Recorder whose spans are also NVTX ranges; a separate class so the plain hot path has no check."""
+
+    __slots__ = ()
+
+    def busy_begin(self, label: str) -> None:
+        self._nvtx.push(label)
+        Recorder.busy_begin(self, label)
+
+    def wait_begin(self, label: str = "gpu") -> None:
+        self._nvtx.push(label)
+        Recorder.wait_begin(self, label)
+
+    def idle_begin(self) -> None:
+        Recorder.idle_begin(self)
+        self._nvtx.push(IDLE)
+
+    def _end(self) -> None:
+        if self._depth > 0:
+            Recorder._end(self)
+            self._nvtx.pop()
+
+    busy_end = _end
+    wait_end = _end
+    idle_end = _end
+
+
+# ---- process lifecycle: atexit and SIGTERM/SIGINT flush every live recorder --------------------------------
+
+_live: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_lifecycle_lock = threading.Lock()
+_installed: dict[int, object] = {}  # signal number -> previous handler
+_atexit_registered = False
+
+
+def _register(rec: Recorder) -> None:
+    global _atexit_registered
+    with _lifecycle_lock:
+        _live.add(rec)
+        if not _atexit_registered:
+            atexit.register(_close_all, "atexit")
+            _atexit_registered = True
+    install_signal_handlers()
+
+
+def _unregister(rec: Recorder) -> None:
+    _live.discard(rec)
+
+
+def _close_all(reason: str) -> None:
+    for rec in list(_live):
+        try:
+            if reason == "atexit" and threading.get_ident() == rec._owner:
+                rec._close("atexit")
+            else:  # another thread owns it (or we are about to die): write what is complete, then seal
+                rec._finish(reason=reason, drain=False)
+        except Exception as e:  # never let a measurement tool turn an exit into a traceback storm
+            print(f"overshoot: could not flush recorder {rec.tag}: {e}", file=sys.stderr)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's recorders, buffers and open files are not the child's: never write them from here.
+    for rec in list(_live):
+        rec._closed = True
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def install_signal_handlers() -> bool:
+    """Flush all recorders on SIGTERM/SIGINT, then run the previous handler (or the default action).
+    Only possible from the main thread; returns whether handlers are installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return bool(_installed)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signum in _installed:
+            continue
+        try:
+            _installed[signum] = signal.getsignal(signum)
+            signal.signal(signum, _on_signal)
+        except (ValueError, OSError):  # e.g. embedded interpreters
+            _installed.pop(signum, None)
+    return bool(_installed)
+
+
+def _on_signal(signum: int, frame) -> None:
+    previous = _installed.get(signum)
+    if callable(previous):
+        for rec in list(_live):  # the process may go on (graceful shutdown): flush, do not seal
+            try:
+                rec.flush()
+            except Exception:
+                pass
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    if signum == signal.SIGINT:
+        for rec in list(_live):
+            try:
+                rec.flush()
+            except Exception:
+                pass
+        raise KeyboardInterrupt
+    _close_all(signal.Signals(signum).name)
+    # Default action (terminate) with the right exit status.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -1,0 +1,223 @@
+"""A run directory: meta.json helpers and `load_run`, which joins every recorder's spool into DataFrames.
+
+Never imports torch; pandas is imported only inside `load_run`, so served processes that merely write
+meta.json (the Recorder, `overshoot run`) do not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+META_NAME = "meta.json"
+SPOOL_NAME = "spool"
+
+
+class RunDirError(Exception):
+    """A run directory that cannot be read; the message is one line meant for the user."""
+
+
+@dataclass
+class Run:
+    path: Path
+    run_id: str
+    meta: dict
+    processes: list[dict]
+    steps: pd.DataFrame
+    spans: pd.DataFrame
+    gpu: pd.DataFrame
+    client: pd.DataFrame | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (
+            f"Run({self.run_id!r}, steps={len(self.steps)}, spans={len(self.spans)}, gpu={len(self.gpu)}, "
+            f"processes={len(self.processes)}, warnings={len(self.warnings)})"
+        )
+
+
+# ---- meta.json ---------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (Linux /proc/cpuinfo; platform fallback elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict[str, Any]:
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+
+
+def versions() -> dict[str, str]:
+    """Versions of what matters, without importing anything new (torch only if the process already has it)."""
+    from overshoot import __version__
+
+    found = {"python": platform.python_version(), "overshoot": __version__}
+    for name in ("torch", "vllm", "triton"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__version__", None):
+            found[name] = str(module.__version__)
+    return found
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def write_meta(run_dir: str | os.PathLike, meta: dict, *, only_if_absent: bool = False) -> bool:
+    """Write RUN/meta.json atomically. With `only_if_absent`, never replace an existing one (first writer
+    wins across processes). Returns whether this call wrote the file."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / META_NAME
+    tmp = run_dir / f".{META_NAME}.{os.getpid()}.{id(meta)}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    try:
+        if only_if_absent:
+            try:
+                os.link(tmp, path)  # atomic and fails if it exists: no clobbering a concurrent writer
+            except FileExistsError:
+                return False
+            return True
+        os.replace(tmp, path)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_meta(run_dir: str | os.PathLike) -> dict:
+    """RUN/meta.json as a dict ({} when absent). Raises RunDirError when it is not valid JSON."""
+    path = Path(run_dir) / META_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise RunDirError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path} is not valid JSON (line {e.lineno})") from None
+    if not isinstance(meta, dict):
+        raise RunDirError(f"{path} is not a JSON object")
+    return meta
+
+
+def update_meta(run_dir: str | os.PathLike, updates: dict) -> dict:
+    """Merge `updates` into RUN/meta.json (atomic replace) and return the result."""
+    meta = read_meta(run_dir)
+    meta.update(updates)
+    write_meta(run_dir, meta)
+    return meta
+
+
+# ---- load_run ----------------------------------------------------------------------------------------------
+
+
+def _read_processes(spool_dir: Path, warnings: list[str]) -> list[dict]:
+    processes = []
+    for path in sorted(spool_dir.glob("*.json")):
+        if path.name.startswith("."):
+            continue
+        try:
+            processes.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            warnings.append(f"{SPOOL_NAME}/{path.name}: unreadable recorder info, ignored")
+    return processes
+
+
+# Written by the recorder for every row, so never null: these stay plain numpy int64.
+_NEVER_NULL = {"step", "start_ns", "end_ns", "wait_ns", "dur_ns", "pid", "gpu_start_ns", "gpu_end_ns"}
+
+
+def _to_pandas(table) -> pd.DataFrame:
+    """Arrow -> pandas keeping integers integers: the never-null core columns are numpy int64; int32 facts
+    (batch_size, num_tokens) are pandas Int32, integer extra facts Int64 and bool facts boolean, all
+    nullable, instead of turning into floats where a value is missing."""
+    import pandas as pd
+    import pyarrow as pa
+
+    def mapper(arrow_type):
+        if arrow_type == pa.int32():
+            return pd.Int32Dtype()
+        if pa.types.is_boolean(arrow_type):
+            return pd.BooleanDtype()
+        return None
+
+    frame = table.to_pandas(types_mapper=mapper)
+    for column in table.schema:
+        if pa.types.is_integer(column.type) and column.type != pa.int32() and column.name not in _NEVER_NULL:
+            frame[column.name] = table.column(column.name).to_pandas(types_mapper=lambda _: pd.Int64Dtype())
+    return frame
+
+
+def load_run(path: str | os.PathLike) -> Run:
+    """Read a run directory (meta.json, every recorder's spool, client.parquet) into one `Run`.
+
+    Damaged chunks do not fail the load: their readable part is kept and `run.warnings` says what was lost.
+    Raises RunDirError with a one-line message when there is nothing usable.
+    """
+    import pandas as pd
+    import pyarrow as pa
+
+    from overshoot.spool import read_table
+
+    run_path = Path(path)
+    if not run_path.exists():
+        raise RunDirError(f"run dir not found: {run_path}")
+    if not run_path.is_dir():
+        raise RunDirError(f"not a directory: {run_path}")
+    spool_dir = run_path / SPOOL_NAME
+    if not spool_dir.is_dir() and not (run_path / META_NAME).is_file():
+        raise RunDirError(f"not an overshoot run dir (no meta.json or spool/): {run_path}")
+    meta = read_meta(run_path)
+    warnings: list[str] = []
+    processes = _read_processes(spool_dir, warnings) if spool_dir.is_dir() else []
+    try:
+        steps = read_table(spool_dir, "steps", warnings)
+        spans = read_table(spool_dir, "spans", warnings)
+        gpu = read_table(spool_dir, "gpu", warnings)
+    except (OSError, pa.ArrowException) as e:
+        raise RunDirError(f"cannot read spool of {run_path}: {e}") from None
+    if steps.num_rows == 0:
+        detail = f" ({warnings[0]})" if warnings else ""
+        raise RunDirError(f"no steps recorded in {run_path}{detail}")
+    client = None
+    client_path = run_path / "client.parquet"
+    if client_path.is_file():
+        try:
+            client = pd.read_parquet(client_path)
+        except (OSError, pa.ArrowException, ValueError) as e:
+            warnings.append(f"client.parquet: unreadable ({e}), ignored")
+    return Run(
+        path=run_path,
+        run_id=run_path.resolve().name,
+        meta=meta,
+        processes=processes,
+        steps=_to_pandas(steps),
+        spans=_to_pandas(spans),
+        gpu=_to_pandas(gpu),
+        client=client,
+        warnings=warnings,
+    )

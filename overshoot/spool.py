@@ -1,0 +1,445 @@
+"""On-disk spool: chunked Arrow IPC streams, written by the Recorder, read back tolerantly.
+
+Layout (docs/contracts.md section 2)::
+
+    RUN/spool/{pid}-{tag}.json                      one per recorder (pid, thread, engine, options, hooks ...)
+    RUN/spool/{pid}-{tag}.{table}.{seg:04d}.arrow   Arrow IPC *stream*, one record batch per flushed chunk
+
+Each chunk is written straight to the OS (unbuffered ``pa.OSFile``), so a process killed with SIGKILL loses
+only the chunk it was filling. A file cut in the middle of a chunk still reads: the reader keeps the complete
+batches before the damage and reports a warning instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+TABLES = ("steps", "spans", "gpu")
+
+STEPS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("start_ns", pa.int64()),
+        ("end_ns", pa.int64()),
+        ("wait_ns", pa.int64()),
+        ("batch_size", pa.int32()),
+        ("num_tokens", pa.int32()),
+        ("phase", pa.string()),
+    ]
+)
+SPANS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("kind", pa.string()),
+        ("label", pa.string()),
+        ("start_ns", pa.int64()),
+        ("dur_ns", pa.int64()),
+    ]
+)
+GPU_SCHEMA = pa.schema([("step", pa.int64()), ("gpu_start_ns", pa.int64()), ("gpu_end_ns", pa.int64())])
+BASE_SCHEMAS = {"steps": STEPS_SCHEMA, "spans": SPANS_SCHEMA, "gpu": GPU_SCHEMA}
+
+_CHUNK_NAME = re.compile(
+    r"^(?P<pid>\d+)-(?P<tag>[A-Za-z0-9_-]+)\.(?P<table>steps|spans|gpu)\.(?P<seg>\d{4,})\.arrow$"
+)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def safe_tag(name: str) -> str:
+    """A thread name made safe for file names ('.' separates fields, so it must not appear)."""
+    return _UNSAFE.sub("_", name).strip("_") or "thread"
+
+
+@dataclass
+class _Segment:
+    schema: pa.Schema
+    sink: pa.OSFile
+    writer: pa.ipc.RecordBatchStreamWriter
+
+
+@dataclass
+class SpoolWriter:
+    """Writes record batches for one recorder: one Arrow stream per (table, segment).
+
+    A new segment starts when a table's schema changes (a new extra fact, or a fact changing type).
+    """
+
+    spool_dir: Path
+    prefix: str  # "{pid}-{tag}"
+    _segments: dict[str, _Segment] = field(default_factory=dict)
+    _next_seg: dict[str, int] = field(default_factory=dict)
+    files_written: int = 0
+
+    def write(self, table: str, batch: pa.RecordBatch) -> None:
+        seg = self._segments.get(table)
+        if seg is None or not seg.schema.equals(batch.schema):
+            if seg is not None:
+                self._close_segment(table)
+            seg = self._open_segment(table, batch.schema)
+        seg.writer.write_batch(batch)
+
+    def _open_segment(self, table: str, schema: pa.Schema) -> _Segment:
+        number = self._next_seg.get(table, 0)
+        self._next_seg[table] = number + 1
+        path = self.spool_dir / f"{self.prefix}.{table}.{number:04d}.arrow"
+        sink = pa.OSFile(str(path), "wb")
+        seg = _Segment(schema, sink, pa.ipc.new_stream(sink, schema))
+        self._segments[table] = seg
+        self.files_written += 1
+        return seg
+
+    def _close_segment(self, table: str) -> None:
+        seg = self._segments.pop(table)
+        try:
+            seg.writer.close()  # writes the end-of-stream marker
+        finally:
+            seg.sink.close()
+
+    def close(self) -> None:
+        for table in list(self._segments):
+            self._close_segment(table)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Replace `path` with `data` as JSON; readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_stream_file(path: Path, *, label: str) -> tuple[list[pa.RecordBatch], str | None]:
+    """Every complete, valid batch of one Arrow IPC stream file, plus a warning if the tail was bad.
+
+    `label` names the file in warnings (e.g. "spool/123-main.steps.0000.arrow").
+    """
+    try:
+        if path.stat().st_size == 0:
+            return [], f"{label}: empty file"
+        data = pa.memory_map(str(path))  # zero-copy: batches point into the mapping
+    except OSError as e:
+        return [], f"{label}: unreadable ({e.strerror or e})"
+    try:
+        reader = pa.ipc.open_stream(data)
+    except (pa.ArrowException, OSError, ValueError):
+        return [], f"{label}: not an Arrow stream (corrupt header)"
+    batches: list[pa.RecordBatch] = []
+    while True:
+        try:
+            batch = reader.read_next_batch()
+            batch.validate(full=True)
+        except StopIteration:
+            return batches, None
+        except (pa.ArrowException, OSError, ValueError):
+            return batches, f"{label}: truncated after {len(batches)} chunks"
+        batches.append(batch)
+
+
+@dataclass
+class ChunkFile:
+    path: Path
+    pid: int
+    tag: str
+    table: str
+    segment: int
+
+
+def list_chunk_files(spool_dir: Path) -> list[ChunkFile]:
+    """Spool chunk files in a stable order (pid, tag, table, segment); other files are ignored."""
+    found = []
+    for path in spool_dir.iterdir() if spool_dir.is_dir() else ():
+        m = _CHUNK_NAME.match(path.name)
+        if m:
+            found.append(ChunkFile(path, int(m["pid"]), m["tag"], m["table"], int(m["seg"])))
+    found.sort(key=lambda c: (c.pid, c.tag, c.table, c.segment))
+    return found
+
+
+def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
+    """All chunks of one raw table across recorders, with `pid` (int64) and `thread` (str) columns added.
+
+    Segments with different extra facts are merged by name (missing values are null; int/float widen).
+    """
+    base = BASE_SCHEMAS[table]
+    parts: list[pa.Table] = []
+    for chunk in list_chunk_files(spool_dir):
+        if chunk.table != table:
+            continue
+        label = f"{spool_dir.name}/{chunk.path.name}"
+        batches, warning = read_stream_file(chunk.path, label=label)
+        if warning:
+            warnings.append(warning)
+        if not batches:
+            continue
+        part = pa.Table.from_batches(batches)
+        missing = [f.name for f in base if f.name not in part.column_names]
+        if missing:
+            warnings.append(f"{label}: skipped, missing columns {', '.join(missing)}")
+            continue
+        n = part.num_rows
+        part = part.append_column("pid", pa.repeat(pa.scalar(chunk.pid, pa.int64()), n))
+        part = part.append_column("thread", pa.repeat(pa.scalar(chunk.tag, pa.string()), n))
+        parts.append(part)
+    if not parts:
+        empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", pa.string()))
+        return empty.empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+# ---- writing side of one recorder: its json and its chunks -------------------------------------------------
+
+
+# Arrays are built from raw buffers: `pa.array(list)` imports pandas (~0.5 s) on first use, which would stall
+# the engine thread of a served process at its first flush. numpy costs nothing extra: pyarrow imports it.
+_NUMPY_TYPES = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
+BUILD_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError, AttributeError)
+
+
+def _validity(values: list) -> tuple[pa.Buffer | None, int]:
+    nulls = values.count(None)
+    if not nulls:
+        return None, 0
+    valid = np.fromiter((v is not None for v in values), np.bool_, len(values))
+    return pa.py_buffer(np.packbits(valid, bitorder="little")), nulls
+
+
+def column(values: list, arrow_type: pa.DataType) -> pa.Array:
+    """An Arrow array of int64/int32/float64/bool/string from a list (None = null), without pandas."""
+    n = len(values)
+    validity, nulls = _validity(values)
+    if nulls == n:
+        return pa.nulls(n, arrow_type)
+    if arrow_type == pa.string():
+        if nulls:
+            values = ["" if v is None else v for v in values]
+        text = "".join(values)
+        if text.isascii():  # the usual case (labels, phases): one C-level pass, no per-string bytes objects
+            data, lengths = text.encode("ascii"), map(len, values)
+        else:
+            encoded = [v.encode() for v in values]
+            data, lengths = b"".join(encoded), map(len, encoded)
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(np.fromiter(lengths, np.int32, n), out=offsets[1:])
+        buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(data)]
+        return pa.Array.from_buffers(pa.string(), n, buffers, null_count=nulls)
+    filled = values if not nulls else [0 if v is None else v for v in values]
+    data = np.fromiter(filled, _NUMPY_TYPES[arrow_type], n)
+    if arrow_type == pa.bool_():
+        data = np.packbits(data, bitorder="little")
+    return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)], null_count=nulls)
+
+
+def _string_column(values: list) -> pa.Array:
+    """Labels given by hooks are normally str; anything else is stored as its str()."""
+    try:
+        return column(values, pa.string())
+    except BUILD_ERRORS:
+        return column([None if v is None else str(v) for v in values], pa.string())
+
+
+def _int_array(values: list, arrow_type: pa.DataType) -> pa.Array:
+    try:
+        return column(values, arrow_type)
+    except BUILD_ERRORS:  # e.g. numpy/torch scalars or floats given as counts
+        try:
+            return column([None if v is None else int(v) for v in values], arrow_type)
+        except BUILD_ERRORS:
+            return pa.nulls(len(values), arrow_type)
+
+
+def _infer_type(values: list) -> pa.DataType:
+    """Arrow type of a fact column. Done here because pa.array's own inference imports pandas (~0.5 s) into
+    the served process on the first flush."""
+    kinds = {type(v) for v in values if v is not None}
+    if kinds <= {bool}:
+        return pa.bool_()
+    if kinds <= {int}:
+        return pa.int64()
+    if kinds <= {int, float}:
+        return pa.float64()
+    if kinds <= {str}:
+        return pa.string()
+    names = {k.__name__ for k in kinds}  # numpy scalars, without importing numpy
+    if all(n.startswith(("int", "uint")) for n in names):
+        return pa.int64()
+    if all(n.startswith(("int", "uint", "float")) for n in names):
+        return pa.float64()
+    return pa.string()  # anything else is stored as its str()
+
+
+_CONVERTERS = {pa.bool_(): bool, pa.int64(): int, pa.float64(): float, pa.string(): str}
+
+
+class RecorderIO:
+    """Files of one recorder: `{pid}-{tag}.json` (written at start, updated at close) and its Arrow chunks.
+
+    Also writes RUN/meta.json when the run dir has none yet (the first recorder wins; `overshoot run`
+    writes a richer one before starting the server). Write errors never propagate into the engine: they are
+    counted, reported once on stderr, and the chunk is dropped.
+    """
+
+    def __init__(self, run_dir: Path, *, engine: str, thread_name: str, thread_tag: str, options: dict,
+                 process_info: dict):
+        import sys
+        import threading
+        import time
+
+        from overshoot.run_dir import host_info, now_iso, versions, write_meta
+
+        self.spool_dir = Path(run_dir) / "spool"
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.pid = os.getpid()
+        self.tag = self._claim_tag(safe_tag(thread_tag))
+        self.prefix = f"{self.pid}-{self.tag}"
+        self.json_path = self.spool_dir / f"{self.prefix}.json"
+        host = host_info()
+        self.info: dict = {
+            "pid": self.pid,
+            "thread": thread_name,
+            "thread_ident": threading.get_ident(),
+            "tag": self.tag,
+            "engine": engine,
+            "argv": list(sys.argv),
+            "host": host["hostname"],
+            "versions": versions(),
+            "gpu": None,
+            "start_time": now_iso(),
+            # Wall clock <-> the spool's monotonic clock, read back to back.
+            "clock": {"perf_counter_ns": time.perf_counter_ns(), "unix_ns": time.time_ns()},
+            "options": options,
+            "hooks": [],
+            **process_info,
+            "closed": False,
+        }
+        write_json_atomic(self.json_path, self.info)
+        meta = {
+            "run_id": Path(run_dir).resolve().name,
+            "created_by": "recorder",
+            "engine": engine,
+            "command": list(sys.argv),
+            "host": host,
+            "versions": self.info["versions"],
+            "gpu": None,
+            "start_time": self.info["start_time"],
+            "options": options,
+        }
+        self.wrote_meta = write_meta(run_dir, meta, only_if_absent=True)
+        self.run_dir = Path(run_dir)
+        self.writer = SpoolWriter(self.spool_dir, self.prefix)
+        self._fact_types: dict[str, pa.DataType] = {}
+        self.write_errors = 0
+        self.chunks = 0
+
+    def _claim_tag(self, base: str) -> str:
+        """A tag no other recorder of this pid uses in this run dir (the json is created exclusively)."""
+        for i in range(1, 10_000):
+            tag = base if i == 1 else f"{base}-{i}"
+            try:
+                with open(self.spool_dir / f"{self.pid}-{tag}.json", "x"):
+                    return tag
+            except FileExistsError:
+                continue
+        raise RuntimeError("too many recorders with the same thread tag")
+
+    def set_gpu(self, name: str) -> None:
+        from overshoot.run_dir import read_meta, update_meta
+
+        self.info["gpu"] = name
+        self.info["versions"]["torch"] = str(__import__("torch").__version__)
+        write_json_atomic(self.json_path, self.info)
+        try:
+            meta = read_meta(self.run_dir)
+            if not meta.get("gpu"):  # "GPU name when known": the first recorder that knows it fills it in
+                update_meta(self.run_dir, {"gpu": name})
+        except Exception:  # meta.json is informative; never fail recording over it
+            pass
+
+    def note_error(self, message: str) -> None:
+        import sys
+
+        self.info.setdefault("errors", []).append(message)
+        print(f"overshoot: {message}", file=sys.stderr)
+        try:
+            write_json_atomic(self.json_path, self.info)
+        except OSError:
+            pass
+
+    def write_chunk(self, *, steps: tuple, spans: tuple, gpu: tuple) -> None:
+        try:
+            if steps[0]:
+                self.writer.write("steps", self._steps_batch(*steps))
+            if spans[0]:
+                self.writer.write("spans", pa.record_batch(
+                    [column(spans[0], pa.int64()), column(spans[1], pa.string()),
+                     _string_column(spans[2]), column(spans[3], pa.int64()),
+                     column(spans[4], pa.int64())], schema=SPANS_SCHEMA))
+            if gpu[0]:
+                self.writer.write("gpu", pa.record_batch(
+                    [column(values, pa.int64()) for values in gpu], schema=GPU_SCHEMA))
+            self.chunks += 1
+        except (OSError, *BUILD_ERRORS) as e:
+            self.write_errors += 1
+            if self.write_errors == 1:
+                import sys
+
+                print(f"overshoot: could not write spool chunk ({e}); data dropped", file=sys.stderr)
+
+    def _steps_batch(self, step, start, end, wait, batch, tokens, phase, facts) -> pa.RecordBatch:
+        columns = [
+            column(step, pa.int64()), column(start, pa.int64()), column(end, pa.int64()),
+            column(wait, pa.int64()), _int_array(batch, pa.int32()), _int_array(tokens, pa.int32()),
+            column([p if isinstance(p, str) else "unknown" for p in phase], pa.string()),
+        ]
+        fields = list(STEPS_SCHEMA)
+        for f in facts:  # register new fact names in order of first appearance
+            if f:
+                for name in f:
+                    if name not in self._fact_types:
+                        self._fact_types[name] = pa.null()
+        for name in self._fact_types:
+            values = [f.get(name) if f else None for f in facts]
+            array = self._fact_array(name, values)
+            if array is not None:
+                columns.append(array)
+                fields.append(pa.field(name, array.type))
+        return pa.record_batch(columns, schema=pa.schema(fields))
+
+    def _fact_array(self, name: str, values: list) -> pa.Array | None:
+        known = self._fact_types[name]
+        if all(v is None for v in values):
+            return None if pa.types.is_null(known) else pa.nulls(len(values), known)
+        arrow_type = _infer_type(values)
+        if (known == pa.float64() and arrow_type == pa.int64()) or known == pa.string():
+            arrow_type = known  # the values fit the known type: keep the schema (and the segment)
+        # Any other change of type is real: the writer starts a new segment.
+        convert = _CONVERTERS[arrow_type]
+        try:
+            array = column([None if v is None else convert(v) for v in values], arrow_type)
+        except BUILD_ERRORS:
+            array = column([None if v is None else str(v) for v in values], pa.string())
+        self._fact_types[name] = array.type
+        return array
+
+    def close(self, *, reason: str, steps: int, gpu: dict | None) -> None:
+        from overshoot.run_dir import now_iso
+
+        try:
+            self.writer.close()
+        except (OSError, pa.ArrowException):
+            self.write_errors += 1
+        self.info.update(
+            closed=True, end_reason=reason, end_time=now_iso(), steps=steps, chunks=self.chunks,
+            segments=self.writer.files_written, write_errors=self.write_errors,
+        )
+        if gpu is not None:
+            self.info["gpu_events"] = gpu
+        try:
+            write_json_atomic(self.json_path, self.info)
+        except OSError:
+            pass

@@ -1,0 +1,66 @@
+"""The engine's hot ops, as a torch reference and as Triton kernels with the same signatures.
+
+    from reference_engine.kernels import get_kernels
+    ops = get_kernels("triton")          # or "torch"
+    out = ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
+- paged_decode_attention(q[B,Hq,D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+  block_tables int32 [B, max_blocks], seq_lens int32 [B], scale) -> [B, Hq, D]
+- fused_add_rmsnorm(x, residual, weight, eps) -> (normed, new_residual); rmsnorm(x, weight, eps)
+- silu_and_mul(gate_up[..., 2I]) -> [..., I]
+- qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache, slot_mapping,
+  *, num_q_heads, num_kv_heads, eps) -> (q, k, v): Qwen3's attention prologue; cos/sin from rope_cos_sin().
+
+Triton is imported only when asked for, so the torch path works where Triton is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from reference_engine.kernels import torch_ref
+from reference_engine.kernels.torch_ref import rope_cos_sin
+
+KERNEL_CHOICES = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    paged_decode_attention: Callable
+    fused_add_rmsnorm: Callable
+    rmsnorm: Callable
+    silu_and_mul: Callable
+    qk_norm_rope_cache: Callable
+
+
+def get_kernels(name: str) -> Kernels:
+    """The op namespace for `name` in KERNEL_CHOICES. Raises ValueError for an unknown name."""
+    if name == "torch":
+        impl = torch_ref
+    elif name == "triton":
+        from reference_engine.kernels import attention, elementwise, rope
+
+        return Kernels(
+            name="triton",
+            paged_decode_attention=attention.paged_decode_attention,
+            fused_add_rmsnorm=elementwise.fused_add_rmsnorm,
+            rmsnorm=elementwise.rmsnorm,
+            silu_and_mul=elementwise.silu_and_mul,
+            qk_norm_rope_cache=rope.qk_norm_rope_cache,
+        )
+    else:
+        raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    return Kernels(
+        name="torch",
+        paged_decode_attention=impl.paged_decode_attention,
+        fused_add_rmsnorm=impl.fused_add_rmsnorm,
+        rmsnorm=impl.rmsnorm,
+        silu_and_mul=impl.silu_and_mul,
+        qk_norm_rope_cache=impl.qk_norm_rope_cache,
+    )
+
+
+__all__ = ["KERNEL_CHOICES", "Kernels", "get_kernels", "rope_cos_sin"]

@@ -1,0 +1,138 @@
+"""Torch reference kernels: the readable definition of each op, and the CPU path.
+
+Every Triton kernel in this package has the same signature and is tested against the function here.
+All of them are CUDA-graph capturable: fixed shapes, no host syncs, no data-dependent host control flow.
+Numerics follow Hugging Face Qwen3: reductions in fp32, results cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: x / rms(x) * weight, computed in fp32."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual (in x's dtype); returns (rmsnorm(new_residual), new_residual)."""
+    new_residual = x + residual
+    return rmsnorm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: silu(gate) * up, where gate_up = [gate | up] along the last dim."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its paged KV history (GQA).
+
+    q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
+    seq_lens int32 [B] (including the current token, already written to the cache). Returns [B, Hq, D].
+    Gathers every sequence up to max_blocks * block_size and masks by seq_len, so shapes never depend on
+    the data (capturable); rows with seq_len 0 (graph padding) give zeros.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * block_size
+    blocks = block_tables.long().clamp(min=0)
+    # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, T, D]
+    keys = k_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).transpose(1, 2).float()
+    values = v_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).transpose(1, 2).float()
+    queries = q.float().reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhtd->bhgt", queries, keys) * scale
+    valid = torch.arange(max_tokens, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, T]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A row with no valid token would be all -inf -> NaN; zero its probabilities instead.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgt,bhtd->bhgd", probs, values)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def rope_cos_sin(
+    max_positions: int, head_dim: int, theta: float, *, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin tables [max_positions, head_dim // 2] for neox-style (rotate-half) RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.arange(max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D] fp32; cos/sin [T, D/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def qk_norm_rope_cache(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3 attention prologue: split qkv, per-head RMSNorm of q and k, RoPE, write k/v to the cache.
+
+    qkv [T, (Hq + 2 Hkv) * D]; cos/sin [max_positions, D/2] (see rope_cos_sin); positions int [T];
+    slot_mapping int [T]: flat cache slot (block * block_size + offset) per token; < 0: not written (padding).
+    Returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (k, v as written to the cache) in qkv's dtype.
+    """
+    tokens = qkv.shape[0]
+    head_dim = q_norm_weight.shape[0]
+    q, k, v = qkv.view(tokens, num_q_heads + 2 * num_kv_heads, head_dim).split(
+        [num_q_heads, num_kv_heads, num_kv_heads], dim=1
+    )
+    pos = positions.long()
+    c, s = cos[pos], sin[pos]
+    q = _apply_rope(rmsnorm(q, q_norm_weight, eps).float(), c, s).to(qkv.dtype)
+    k = _apply_rope(rmsnorm(k, k_norm_weight, eps).float(), c, s).to(qkv.dtype)
+    v = v.contiguous()
+    _write_cache(k_cache, v_cache, k, v, slot_mapping)
+    return q, k, v
+
+
+def _write_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k/v rows [T, Hkv, D] to their flat slots, skipping slots < 0 without host syncs.
+
+    A padding row is redirected to the first real row, so duplicate indices always carry identical values
+    (index_copy_ with duplicates is order-undefined); with no real row at all, slot 0 is rewritten unchanged.
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    src = torch.where(keep, rows, keep.to(torch.int32).argmax())
+    src_keep = keep[src]
+    target = torch.where(src_keep, slots[src], torch.zeros_like(slots))
+    flat_k.index_copy_(0, target, torch.where(src_keep[:, None, None], k[src], flat_k[target]))
+    flat_v.index_copy_(0, target, torch.where(src_keep[:, None, None], v[src], flat_v[target]))

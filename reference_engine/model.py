@@ -1,0 +1,233 @@
+"""Dense Qwen3 decoder as plain tensors and functions (no nn.Module): easy to load and to capture.
+
+Fast-path layout: q/k/v projections fused into one `qkv` weight and gate/up into one `gate_up` weight, so a
+layer is 4 GEMMs (qkv, o, gate_up, down) plus the fused kernels of `reference_engine.kernels`.
+
+Two attention paths share every other op:
+- prefill: each sequence's whole prompt at once; k/v are written to the paged cache and attention runs with
+  SDPA (causal) on the fresh k/v of that sequence (no prefix reuse: a preempted sequence simply recomputes);
+- decode: one token per sequence; k/v written to the cache, then `paged_decode_attention` over block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reference_engine.config import Config
+from reference_engine.kernels import Kernels, get_kernels, rope_cos_sin
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    q_norm: torch.Tensor | None  # [D]; None for Llama-style models
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache, and (decode) what they attend to.
+
+    slot_mapping int [T]: flat cache slot (block * block_size + offset) of each token.
+    prefill: cu_seqlens host list [num_seqs + 1] of token offsets. decode: block_tables int32 [B, max_blocks],
+    seq_lens int32 [B] (including the current token).
+    """
+
+    slot_mapping: torch.Tensor
+    cu_seqlens: list[int] | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+class Qwen3Model:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.device, self.dtype = embed.device, embed.dtype
+        self.ops: Kernels = get_kernels(config.kernels)
+        self.cos, self.sin = rope_cos_sin(
+            config.max_model_len, config.head_dim, config.rope_theta, device=self.device
+        )
+        self.scale = config.head_dim**-0.5
+
+    # --- construction
+    @classmethod
+    def random(cls, config: Config) -> Qwen3Model:
+        """Seeded random weights made directly on the target device (bf16 on CUDA, fp32 on CPU).
+
+        Scales keep activations sane without training: linear weights ~ N(0, 1/fan_in) so each GEMM keeps the
+        variance of its normalised input, embeddings ~ N(0, 0.02^2) as in Hugging Face's init, so layer
+        outputs (which depend on context) dominate the residual and greedy decoding does not echo its input.
+        """
+        device = torch.device(config.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+
+        def normal(*shape: int, std: float) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(std)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=device, dtype=dtype)
+
+        h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+        embed = normal(config.vocab_size, h, std=0.02)
+        layers = [
+            LayerWeights(
+                input_norm=ones(h),
+                qkv=normal(config.qkv_size, h, std=h**-0.5),
+                q_norm=ones(d) if config.qk_norm else None,
+                k_norm=ones(d) if config.qk_norm else None,
+                o_proj=normal(h, config.num_heads * d, std=(config.num_heads * d) ** -0.5),
+                post_norm=ones(h),
+                gate_up=normal(2 * i, h, std=h**-0.5),
+                down=normal(h, i, std=i**-0.5),
+            )
+            for _ in range(config.num_layers)
+        ]
+        lm_head = embed if config.tie_embeddings else normal(config.vocab_size, h, std=h**-0.5)
+        return cls(config, embed=embed, layers=layers, final_norm=ones(h), lm_head=lm_head)
+
+    def with_config(self, config: Config) -> Qwen3Model:
+        """The same weights under another config (kernels, max_model_len): ops and RoPE tables rebound."""
+        return Qwen3Model(
+            config, embed=self.embed, layers=self.layers, final_norm=self.final_norm, lm_head=self.lm_head
+        )
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a decode step streams from memory (the embedding row gather is negligible)."""
+        tensors = [self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, H] after the final norm (prefill: all prompts' tokens concatenated)."""
+        cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
+        x = self.embed[input_ids]
+        residual = x
+        h = ops.rmsnorm(x, self.layers[0].input_norm, eps)
+        for index, layer in enumerate(self.layers):
+            if index > 0:
+                h, residual = ops.fused_add_rmsnorm(x, residual, layer.input_norm, eps)
+            k_cache, v_cache = kv_caches[index]
+            attn = self._attention(layer, h, positions, k_cache, v_cache, meta)
+            attn = F.linear(attn, layer.o_proj)
+            h, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_norm, eps)
+            x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+        h, _ = ops.fused_add_rmsnorm(x, residual, self.final_norm, eps)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] (the sampler's softmax and argmax run in fp32)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(
+        self,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.config
+        tokens = h.shape[0]
+        qkv = F.linear(h, layer.qkv)
+        if layer.q_norm is not None:
+            q, k, v = self.ops.qk_norm_rope_cache(
+                qkv,
+                layer.q_norm,
+                layer.k_norm,
+                self.cos,
+                self.sin,
+                positions,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                num_q_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                eps=cfg.rms_norm_eps,
+            )
+        else:
+            q, k, v = _rope_and_cache(
+                qkv,
+                self.cos,
+                self.sin,
+                positions,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                num_q_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+            )
+        if not meta.is_prefill:
+            out = self.ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+            return out.reshape(tokens, -1)
+        outs = []
+        bounds = meta.cu_seqlens
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            # [L, H, D] -> [1, H, L, D]; enable_gqa lets SDPA share each k/v head across its query group.
+            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            outs.append(o.squeeze(0).transpose(0, 1).reshape(end - start, -1))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama-style prologue (no q/k norm): RoPE on q and k, then write k/v to their cache slots."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.view(tokens, num_q_heads + 2 * num_kv_heads, head_dim).split(
+        [num_q_heads, num_kv_heads, num_kv_heads], dim=1
+    )
+    c, s = cos[positions.long()][:, None, :], sin[positions.long()][:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    q, k, v = rotate(q), rotate(k), v.contiguous()
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    return q, k, v

@@ -1,0 +1,107 @@
+"""Run dirs with exactly known content, written through the real spool writer (overshoot/spool.py).
+
+`simulate_timeline` computes an engine timeline arithmetically (a virtual clock, no sleeping), so analyzer and
+report tests can assert exact numbers; tests that need a live engine thread use tests/synthetic_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from overshoot.spool import BASE_SCHEMAS, SpoolWriter
+
+
+@dataclass
+class Frames:
+    steps: pd.DataFrame
+    spans: pd.DataFrame
+    gpu: pd.DataFrame
+
+
+def simulate_timeline(
+    n: int,
+    *,
+    mode: str = "sync",
+    cpu_ms: float = 1.0,
+    gpu_ms: float = 1.2,
+    post_ms: float = 0.2,
+    jitter: float = 0.0,
+    idle_every: int = 0,
+    idle_ms: float = 5.0,
+    start_ns: int = 10_000_000_000,
+    batch_size: int = 1,
+    seed: int = 0,
+    phase: str = "decode",
+) -> Frames:
+    """Steps of: busy `cpu_ms` (± jitter), launch GPU work of `gpu_ms`, wait, busy `post_ms`.
+
+    sync: each step waits for its own GPU work; async: record n launches batch n+1 and waits for batch n.
+    Waits carry 5 µs of call overhead plus 3 µs wake-up, like a real future.
+    """
+    rng = np.random.default_rng(seed)
+    t = float(start_ns)
+    gpu_free = 0.0
+    pending = None
+    steps, spans, gpu = [], [], []
+    for i in range(n):
+        if idle_every and i and i % idle_every == 0:
+            spans.append((-1, "idle", "idle", int(t), int(idle_ms * 1e6)))
+            t += idle_ms * 1e6
+        begin = t
+        busy = cpu_ms * 1e6 * (1.0 + jitter * rng.uniform(-1.0, 1.0))
+        spans.append((i, "busy", "schedule", int(t), int(busy)))
+        t += busy
+        g_start = max(t, gpu_free)
+        gpu_free = g_start + gpu_ms * 1e6
+        gpu.append((i, int(g_start), int(gpu_free)))
+        awaited = gpu_free if mode == "sync" else (pending if pending is not None else t)
+        pending = gpu_free
+        wait_start = t + 5_000
+        wait_end = max(wait_start, awaited) + 3_000
+        spans.append((i, "wait", "gpu", int(wait_start), int(wait_end - wait_start)))
+        spans.append((i, "busy", "update", int(wait_end), int(post_ms * 1e6)))
+        t = wait_end + post_ms * 1e6
+        steps.append((i, int(begin), int(t), int(wait_end - wait_start), batch_size, batch_size, phase))
+    return Frames(
+        pd.DataFrame(steps, columns=BASE_SCHEMAS["steps"].names),
+        pd.DataFrame(spans, columns=BASE_SCHEMAS["spans"].names),
+        pd.DataFrame(gpu, columns=BASE_SCHEMAS["gpu"].names),
+    )
+
+
+def write_run(
+    path: Path,
+    frames: Frames,
+    *,
+    pid: int = 4242,
+    tag: str = "engine",
+    meta: dict | None = None,
+    chunk_rows: int = 256,
+    extra: dict[str, list] | None = None,
+) -> Path:
+    """Write one recorder's tables as spool chunks of `chunk_rows` rows (plus meta.json and recorder json)."""
+    spool = path / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    writer = SpoolWriter(spool, f"{pid}-{tag}")
+    steps = frames.steps.assign(**(extra or {}))
+    for table, df in (("steps", steps), ("spans", frames.spans), ("gpu", frames.gpu)):
+        base = BASE_SCHEMAS[table]
+        schema = base if table != "steps" else pa.Schema.from_pandas(df, preserve_index=False)
+        if table == "steps":
+            schema = pa.schema([base.field(c) if c in base.names else schema.field(c) for c in df.columns])
+        for lo in range(0, len(df), chunk_rows):
+            part = df.iloc[lo : lo + chunk_rows]
+            writer.write(table, pa.RecordBatch.from_pandas(part, schema=schema, preserve_index=False))
+    writer.close()
+    info = {"pid": pid, "thread": tag, "engine": "simulated", "argv": ["simulate"]}
+    (spool / f"{pid}-{tag}.json").write_text(json.dumps(info))
+    meta_path = path / "meta.json"
+    if meta is not None or not meta_path.exists():
+        meta_path.write_text(json.dumps({"engine": "simulated", **(meta or {})}))
+    return path

@@ -1,0 +1,150 @@
+"""The steps table contract and the summary, on run dirs with exactly known content (tests/run_factory.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from run_factory import simulate_timeline, write_run
+
+from overshoot.analyze import STEP_COLUMNS, steps_table, summarize
+from overshoot.run_dir import load_run
+
+DTYPES = {
+    "run_id": "str",
+    "pid": "int64",
+    "thread": "str",
+    "step": "int64",
+    "start_ns": "int64",
+    "step_ms": "float64",
+    "busy_ms": "float64",
+    "wait_ms": "float64",
+    "batch_size": "int32",
+    "num_tokens": "int32",
+    "phase": "str",
+    "gpu_ms": "float64",
+    "gpu_idle_before_ms": "float64",
+    "cpu_bound": "bool",
+}
+
+
+def test_steps_table_columns_dtypes_and_values(tmp_path):
+    frames = simulate_timeline(50, mode="sync", cpu_ms=1.0, gpu_ms=1.2, post_ms=0.2)
+    run = load_run(write_run(tmp_path / "r1", frames, extra={"spec_tokens": list(range(50))}))
+    table = steps_table(run)
+    assert list(table.columns) == STEP_COLUMNS + ["spec_tokens"]
+    assert {c: str(table[c].dtype) for c in STEP_COLUMNS} == DTYPES
+    assert (table["run_id"] == "r1").all() and (table["pid"] == 4242).all()
+    assert table["spec_tokens"].tolist() == list(range(50))
+    # busy 1.0 + wait (5 µs overhead + 1.2 ms GPU + 3 µs wake-up... measured from the wait start) + 0.2
+    assert table["step_ms"].iloc[5] == pytest.approx(1.0 + 0.005 + (1.2 - 0.005) + 0.003 + 0.2, abs=1e-6)
+    assert np.allclose(table["busy_ms"] + table["wait_ms"], table["step_ms"])
+    assert np.allclose(table["gpu_ms"], 1.2)
+    # sync: the GPU idles from its end to the next launch = wake-up + update + next schedule
+    assert np.isnan(table["gpu_idle_before_ms"].iloc[0])
+    assert np.allclose(table["gpu_idle_before_ms"].iloc[1:], 0.003 + 0.2 + 1.0, atol=1e-5)
+    assert not table["cpu_bound"].any()
+
+
+def test_idle_time_is_not_gpu_waiting_on_cpu(tmp_path):
+    frames = simulate_timeline(40, mode="sync", idle_every=10, idle_ms=7.0)
+    table = steps_table(load_run(write_run(tmp_path / "r", frames)))
+    after_idle = table["step"].isin([10, 20, 30])
+    # after an idle span the gap counts from the idle end: only the step's own 1.0 ms of CPU work
+    assert np.allclose(table.loc[after_idle, "gpu_idle_before_ms"], 1.0, atol=1e-5)
+    assert np.allclose(table.loc[~after_idle, "gpu_idle_before_ms"].iloc[1:], 1.203, atol=1e-5)
+
+
+def test_concurrency_levels_warmup_and_threshold(tmp_path):
+    frames = simulate_timeline(100, mode="async", cpu_ms=1.5, gpu_ms=1.0)
+    starts = frames.steps["start_ns"]
+    levels = [
+        {"concurrency": 1, "start_ns": int(starts[0]), "end_ns": int(starts[40])},
+        {"concurrency": 4, "start_ns": int(starts[40]), "end_ns": int(starts[90])},
+    ]
+    run = load_run(write_run(tmp_path / "r", frames, meta={"levels": levels}))
+    table = steps_table(run)
+    assert list(table.columns) == STEP_COLUMNS + ["concurrency"]
+    assert str(table["concurrency"].dtype) == "Int32"
+    assert table["concurrency"].iloc[:40].eq(1).all() and table["concurrency"].iloc[40:90].eq(4).all()
+    assert table["concurrency"].iloc[90:].isna().all()
+    warm = steps_table(run, warmup_steps=5)
+    assert len(warm) == 100 - 5 * 3  # per level, and the steps outside every level form their own group
+    assert 40 not in set(warm["step"]) and 45 in set(warm["step"])
+    summary = summarize(run)  # the 10 steps outside every level stay out of the groups, and it is said
+    assert summary.groups["concurrency"].tolist() == [1, 4] and summary.groups["steps"].tolist() == [40, 50]
+    assert any("10 steps outside every load level" in note for note in summary.notes)
+    # async and CPU-bound: waits are 8 µs of overhead, so the threshold decides
+    assert steps_table(run)["cpu_bound"].iloc[1:].all()
+    assert not steps_table(run, cpu_bound_ms=0.001)["cpu_bound"].iloc[1:].any()
+
+
+def test_primary_timeline_is_the_thread_with_most_steps(tmp_path):
+    path = tmp_path / "r"
+    write_run(path, simulate_timeline(30, mode="sync"), pid=100, tag="engine")
+    write_run(path, simulate_timeline(5, mode="sync", cpu_ms=9.0), pid=200, tag="worker")
+    run = load_run(path)
+    table = steps_table(run)
+    assert table.groupby("pid").size().to_dict() == {100: 30, 200: 5}
+    summary = summarize(run)
+    assert summary.primary == (100, "engine")
+    assert int(summary.groups["steps"].sum()) == 30
+    assert any("200/worker: 5 steps" in note for note in summary.notes)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_mode_detected_from_data(tmp_path, mode):
+    run = load_run(write_run(tmp_path / "r", simulate_timeline(60, mode=mode)))
+    summary = summarize(run)
+    assert (summary.mode.mode, summary.mode.source) == (mode, "data")
+    assert summarize(run, mode="async" if mode == "sync" else "sync").mode.source == "option"
+
+
+def test_mode_hint_without_gpu_times(tmp_path):
+    frames = simulate_timeline(20, mode="async")
+    frames.gpu = frames.gpu.iloc[:0]
+    meta = {"command": ["python", "-m", "reference_engine", "serve", "--async-scheduling"]}
+    summary = summarize(load_run(write_run(tmp_path / "r", frames, meta=meta)))
+    assert (summary.mode.mode, summary.mode.source) == ("async", "meta")
+
+
+def test_summary_groups_and_shares(tmp_path):
+    path = tmp_path / "r"
+    frames = simulate_timeline(200, mode="async", cpu_ms=1.0, gpu_ms=1.1, jitter=0.3, seed=3)
+    frames.steps.loc[100:, "batch_size"] = 4
+    run = load_run(write_run(path, frames))
+    summary = summarize(run, warmup_steps=10)
+    groups = summary.groups.set_index("batch_size")
+    assert groups["steps"].to_dict() == {1: 90, 4: 100}
+    table = steps_table(run, warmup_steps=10)
+    b4 = table[table["batch_size"] == 4]
+    assert groups.loc[4, "step_ms_median"] == pytest.approx(b4["step_ms"].median())
+    assert groups.loc[4, "step_ms_p90"] == pytest.approx(b4["step_ms"].quantile(0.9))
+    assert groups.loc[4, "cpu_bound_pct"] == pytest.approx(100 * b4["cpu_bound"].mean())
+    idle_share = 100 * b4["gpu_idle_before_ms"].sum() / b4["step_ms"].sum()
+    assert groups.loc[4, "gpu_idle_pct"] == pytest.approx(idle_share)
+    assert groups.loc[4, "cpu_share_pct"] == pytest.approx(100 * b4["busy_ms"].sum() / b4["step_ms"].sum())
+    # async alignment holds in this timeline: the CPU-bound share and the GPU-idle share agree
+    assert abs(groups.loc[4, "cpu_bound_pct"] - groups.loc[4, "gpu_idle_steps_pct"]) < 10
+    assert not any("disagree" in note for note in summary.notes)
+
+
+def test_disagreeing_views_are_reported(tmp_path):
+    frames = simulate_timeline(100, mode="async", cpu_ms=1.5, gpu_ms=1.0)
+    # Make the GPU start right when the previous work ends (no idle) although the thread never waits:
+    gpu = frames.gpu
+    duration = gpu["gpu_end_ns"] - gpu["gpu_start_ns"]
+    gpu["gpu_start_ns"] = gpu["gpu_start_ns"].iloc[0] + duration.cumsum().shift(1, fill_value=0)
+    gpu["gpu_end_ns"] = gpu["gpu_start_ns"] + duration
+    summary = summarize(load_run(write_run(tmp_path / "r", frames)), mode="async")
+    assert any("disagree" in note for note in summary.notes)
+
+
+def test_steps_without_gpu_have_null_gpu_columns(tmp_path):
+    frames = simulate_timeline(20, mode="sync")
+    frames.gpu = frames.gpu.iloc[:0]
+    run = load_run(write_run(tmp_path / "r", frames))
+    table = steps_table(run)
+    assert table["gpu_ms"].isna().all() and table["gpu_idle_before_ms"].isna().all()
+    summary = summarize(run)
+    assert summary.mode.source == "default" and pd.isna(summary.groups["gpu_idle_pct"].iloc[0])

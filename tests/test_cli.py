@@ -1,0 +1,278 @@
+"""`overshoot report` / `export` as a user runs them: a real subprocess on real run dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+from run_factory import simulate_timeline, write_run
+from synthetic_engine import SyntheticConfig, record_synthetic
+
+from overshoot.report import build_report, render
+from overshoot.run_dir import load_run, update_meta
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def overshoot(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "COLUMNS": "120",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "overshoot", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and lines[0].startswith("overshoot")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Two runs recorded by the synthetic engine through the real Recorder: a GPU-bound one with a load level
+    and client data (as `overshoot run` leaves them), and a CPU-bound one."""
+    root = tmp_path_factory.mktemp("runs")
+    a, b = root / "a", root / "b"
+    record_synthetic(a, SyntheticConfig(mode="async", steps=300, cpu_ms=0.2, device_ms=0.35, seed=1))
+    record_synthetic(b, SyntheticConfig(mode="async", steps=300, cpu_ms=0.4, device_ms=0.2, seed=1))
+    for run in (a, b):
+        steps = load_run(run).steps
+        level = {
+            "concurrency": 1,
+            "start_ns": int(steps["start_ns"].min()),
+            "end_ns": int(steps["end_ns"].max()),
+        }
+        update_meta(run, {"levels": [level]})
+    client = pd.DataFrame(
+        {
+            "concurrency": pd.array([1] * 4, dtype="int32"),
+            "request": range(4),
+            "start_ns": [0, 10**9, 2 * 10**9, 3 * 10**9],
+            "end_ns": [10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9],
+            "ttft_ms": [20.0, 22.0, 21.0, 25.0],
+            "latency_ms": [1000.0] * 4,
+            "prompt_tokens": pd.array([128] * 4, dtype="int32"),
+            "completion_tokens": pd.array([100] * 4, dtype="int32"),
+            "ok": [True] * 4,
+            "error": [""] * 4,
+        }
+    )
+    client.to_parquet(a / "client.parquet")
+    return {"a": a, "b": b}
+
+
+def test_report_prints_table_verdicts_and_client_stats(runs):
+    result = overshoot("report", runs["a"])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "decode @ 1 request, batch 4:" in out and "of steps CPU-bound; GPU idle" in out
+    assert "a 10% faster GPU step would shorten steps by" in out
+    assert "client side, per concurrency level" in out and "scheduling: async" in out
+
+
+def test_report_json_and_what_if_options(runs):
+    result = overshoot("report", runs["b"], "--json", "--what-if", "gpu=-20%", "--warmup", "10")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["mode"] == "async" and data["what_ifs"] == ["gpu-20%"] and data["warmup_steps"] == 10
+    (group,) = data["groups"]
+    assert group["steps"] == 290 and group["cpu_bound_pct"] > 90
+    assert abs(group["what_if_pct"]["gpu-20%"]) < 0.5  # CPU-bound: a faster GPU buys nothing
+    assert data["client"] == []
+
+
+def test_compare_shows_both_runs_with_deltas(runs):
+    result = overshoot("report", runs["a"], "--compare", runs["b"])
+    assert result.returncode == 0, result.stderr
+    assert "A = a  vs  B = b" in result.stdout and "CPU-bound %" in result.stdout and "pts" in result.stdout
+    data = json.loads(overshoot("report", runs["a"], "--compare", runs["b"], "--json").stdout)
+    (row,) = data["compare"]
+    steps = row["step_ms_median"]
+    assert steps["delta"] == pytest.approx(100 * (steps["b"] - steps["a"]) / steps["a"])
+    assert row["cpu_bound_pct"]["b"] > row["cpu_bound_pct"]["a"]
+
+
+def test_export_parquet_csv_with_exact_schema(runs, tmp_path):
+    out = tmp_path / "steps.parquet"
+    result = overshoot("export", runs["a"], "-o", out)
+    assert result.returncode == 0, result.stderr
+    schema = {f.name: str(f.type) for f in pq.read_schema(out)}
+    assert schema == {
+        "run_id": "string",
+        "pid": "int64",
+        "thread": "string",
+        "step": "int64",
+        "start_ns": "int64",
+        "step_ms": "double",
+        "busy_ms": "double",
+        "wait_ms": "double",
+        "batch_size": "int32",
+        "num_tokens": "int32",
+        "phase": "string",
+        "gpu_ms": "double",
+        "gpu_idle_before_ms": "double",
+        "cpu_bound": "bool",
+        "concurrency": "int32",
+    }
+    df = pd.read_parquet(out)
+    # async: the last record only waits, so it has no GPU work; the first GPU work has no gap before it
+    assert len(df) == 300 and df["gpu_ms"].isna().sum() == 1 and df["gpu_idle_before_ms"].isna().sum() == 2
+    assert str(df["batch_size"].dtype) == "int32" and str(df["cpu_bound"].dtype) == "bool"
+    spans = tmp_path / "spans.csv"
+    assert overshoot("export", runs["a"], "-o", spans, "--what", "spans").returncode == 0
+    spans_df = pd.read_csv(spans)
+    assert list(spans_df.columns) == ["pid", "thread", "step", "kind", "label", "start_ns", "dur_ns"]
+    recorded = load_run(runs["a"]).spans
+    assert len(spans_df) == len(recorded) and set(spans_df["kind"]) == {"busy", "wait"}
+    assert {"schedule", "prepare", "launch", "update", "device"} <= set(spans_df["label"])
+    gpu = tmp_path / "gpu.parquet"
+    assert overshoot("export", runs["a"], "-o", gpu, "--what", "gpu").returncode == 0
+    assert pd.read_parquet(gpu)["gpu_ms"].round(6).eq(0.35).all()
+
+
+def test_export_chrome_trace_has_engine_and_gpu_tracks(runs, tmp_path):
+    out = tmp_path / "trace.json"
+    result = overshoot("export", runs["a"], "-o", out, "--format", "chrome")
+    assert result.returncode == 0, result.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"thread MainThread", "GPU (MainThread)"}  # the recording thread of the synthetic engine
+    by_cat = pd.Series([e["cat"] for e in events if e["ph"] == "X"]).value_counts().to_dict()
+    kinds = load_run(runs["a"]).spans["kind"].value_counts().to_dict()
+    assert by_cat == {"busy": kinds["busy"], "wait": kinds["wait"], "step": 300, "gpu": 299}
+    steps = [e for e in events if e.get("cat") == "step"]
+    gpu = [e for e in events if e.get("cat") == "gpu"]
+    assert {e["tid"] for e in steps} != {e["tid"] for e in gpu}
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in steps + gpu)
+
+
+def test_bad_input_gives_one_line_and_nonzero_exit(runs, tmp_path):
+    assert_one_line_error(overshoot("report", tmp_path / "missing"), "not found")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(overshoot("report", tmp_path / "empty"))
+    (tmp_path / "nospool" / "spool").mkdir(parents=True)
+    assert_one_line_error(overshoot("report", tmp_path / "nospool"), "no steps recorded")
+    assert_one_line_error(overshoot("report", runs["a"], "--bogus"), "--bogus")
+    assert_one_line_error(overshoot("report", runs["a"], "--what-if", "gpu=fast"), "--what-if")
+    assert_one_line_error(
+        overshoot("export", runs["a"], "-o", tmp_path / "no" / "dir" / "x.parquet"), "cannot write"
+    )
+    assert_one_line_error(
+        overshoot("export", runs["a"], "-o", tmp_path / "x.parquet", "--what", "nope"), "--what"
+    )
+    assert_one_line_error(overshoot("export", runs["a"], "-o", tmp_path / "x", "--format", "xls"), "--format")
+
+
+def test_corrupt_and_truncated_chunks(tmp_path):
+    frames = simulate_timeline(100, mode="sync")
+    corrupt = write_run(tmp_path / "corrupt", frames)
+    for chunk in (corrupt / "spool").glob("*.steps.*.arrow"):
+        chunk.write_bytes(b"garbage, not arrow" * 10)
+    assert_one_line_error(overshoot("report", corrupt), "no steps recorded")
+    truncated = write_run(tmp_path / "truncated", frames, chunk_rows=30)
+    (chunk,) = (truncated / "spool").glob("*.steps.*.arrow")
+    chunk.write_bytes(chunk.read_bytes()[:-200])
+    result = overshoot("report", truncated, "--json")
+    assert result.returncode == 0, result.stderr
+    assert "truncated after 3 chunks" in result.stderr and "Traceback" not in result.stderr
+    assert json.loads(result.stdout)["groups"][0]["steps"] == 90
+
+
+RECORD_FOREVER = textwrap.dedent("""
+    import sys, time
+    from overshoot import Recorder
+    rec = Recorder(sys.argv[1], engine="killed", flush_steps=20)
+    i = 0
+    while True:
+        rec.step_begin(batch_size=2, num_tokens=2, phase="decode")
+        with rec.busy("schedule"):
+            time.sleep(0.0005)
+        with rec.wait("gpu"):
+            time.sleep(0.0005)
+        i += 1
+""")
+
+
+def test_report_reads_a_run_killed_with_sigkill(tmp_path):
+    run = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(run)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not list(run.glob("spool/*.steps.*.arrow")):
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    result = overshoot("report", run, "--json")
+    assert result.returncode == 0, result.stderr
+    (group,) = json.loads(result.stdout)["groups"]
+    assert group["batch_size"] == 2 and group["steps"] >= 20 and group["cpu_bound_pct"] == 0
+
+
+def test_help_has_examples_and_nothing_imports_torch(runs):
+    top = overshoot("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in ("report", "export", "run"))
+    for command in ("report", "export"):
+        result = overshoot(command, "--help")
+        assert (
+            result.returncode == 0 and "Examples" in result.stdout and "overshoot " + command in result.stdout
+        )
+    # --help loads neither pandas nor torch nor the run command; report and export never load torch
+    probe = (
+        "import sys; from overshoot.cli import main; main(['--help']); "
+        "assert not any(m in sys.modules for m in ('pandas', 'torch', 'overshoot.run_cmd')), 'help'; "
+        "main(['report', sys.argv[1], '--json']); main(['export', sys.argv[1], '-o', sys.argv[2]]); "
+        "assert 'torch' not in sys.modules, 'report/export'"
+    )
+    out = runs["a"].parent / "probe.parquet"
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(runs["a"]), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.exists()
+
+
+def test_report_rendered_to_a_fixed_width_console(tmp_path):
+    frames = simulate_timeline(100, mode="sync", cpu_ms=1.0, gpu_ms=1.2, post_ms=0.2)
+    report = build_report(load_run(write_run(tmp_path / "fixed", frames)))
+    console = Console(width=100, record=True, color_system=None)
+    render(report, console)
+    text = console.export_text()
+    expected_rows = [
+        "phase  batch steps   ms   ms   ms   ms   ms bound idle share gpu-10% cpu-10%",
+        "decode     1   100 2.40 2.40 1.21 1.20 1.20    0%  50%   50%   -5.0%   -5.0%",
+    ]
+    for row in expected_rows:
+        assert row in text, text
+    assert (
+        "decode @ batch 1: CPU busy 50% of the step; 0% of steps CPU-bound; GPU idle 50%; a 10% faster GPU "
+        "step would shorten steps by 5.0%; a 10% faster CPU work per step would shorten steps by 5.0%"
+    ) in " ".join(text.split())

@@ -1,0 +1,350 @@
+"""engine_hooks: the generic patcher on small real modules, the bootstrap in a real subprocess, the reference
+spec on the real reference engine. Recording goes through the real Recorder and is read back with load_run."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engine_hooks import EngineSpec, HookTarget, install, patcher, registry
+from engine_hooks.spec import _simple_match, version_matches
+from overshoot import Recorder
+from overshoot.run_dir import load_run
+
+REPO = Path(__file__).resolve().parent.parent
+BOOTSTRAP = REPO / "engine_hooks" / "bootstrap"
+
+TOY_ENGINE = """
+import queue
+
+
+class Batch:
+    def __init__(self, n):
+        self.num_seqs = n
+
+
+class Engine:
+    def __init__(self):
+        self.inbox = queue.Queue()
+
+    def step(self):
+        batch = self.schedule()
+        self.launch(batch)
+        return self.wait_for_results(batch)
+
+    def schedule(self):
+        return Batch(3)
+
+    def launch(self, batch):
+        return batch
+
+    def wait_for_results(self, batch):
+        return [1] * batch.num_seqs
+
+    def wait_for_work(self):
+        return self.inbox.get()
+
+    @staticmethod
+    def helper(x):
+        return x + 1
+
+
+def run(engine, steps):
+    for _ in range(steps):
+        engine.step()
+    engine.inbox.put("stop")
+    engine.wait_for_work()
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    patcher.reset()
+    yield
+    patcher.reset()
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """A real module written to disk (not imported yet), and a spec naming its functions."""
+    name = f"toy_engine_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(TOY_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", extra=()) -> EngineSpec:
+    return EngineSpec(
+        name=name,
+        dist=dist,
+        versions=versions,
+        stream=lambda engine: None,
+        targets=(
+            HookTarget(module, "Engine.step", "step"),
+            HookTarget(module, "Engine.schedule", "busy", facts=lambda b, *a: {"batch_size": b.num_seqs}),
+            HookTarget(module, "Engine.launch", "busy"),
+            HookTarget(module, "Engine.launch", "gpu"),
+            HookTarget(module, "Engine.wait_for_results", "wait", label="gpu"),
+            HookTarget(module, "Engine.wait_for_work", "idle"),
+            *extra,
+        ),
+    )
+
+
+def recorder_in(run_dir: Path, opened: list):
+    def factory(engine: str, process_info: dict) -> Recorder:
+        rec = Recorder(run_dir, engine=engine, process_info=process_info)
+        opened.append(rec)
+        return rec
+
+    return factory
+
+
+def test_hooks_installed_on_import_record_steps_spans_and_facts(toy, tmp_path):
+    opened: list[Recorder] = []
+    statuses = install(toy_spec(toy), recorder_factory=recorder_in(tmp_path / "run", opened))
+    assert {s.status for s in statuses} == {"pending"}  # the module is not imported yet
+    module = importlib.import_module(toy)  # the import hook patches it now
+    assert all(s.status == "installed" for s in statuses), statuses
+    module.run(module.Engine(), steps=5)
+    opened[0].close()
+
+    run = load_run(tmp_path / "run")
+    assert len(run.steps) == 5
+    assert (run.steps["batch_size"] == 3).all()
+    spans = run.spans
+    assert (spans[spans.kind == "wait"].label == "gpu").sum() == 5
+    assert sorted(spans[spans.kind == "busy"].label.unique()) == ["launch", "schedule"]
+    assert (spans.kind == "idle").sum() == 1
+    hooks = run.processes[0]["hooks"]
+    assert {h["status"] for h in hooks} == {"installed"} and len(hooks) == 6
+
+
+def test_missing_target_disables_that_hook_with_one_line(toy, tmp_path, capfd):
+    module = importlib.import_module(toy)  # already imported: patched at once
+    bogus = HookTarget(toy, "Engine.renamed_in_new_version", "busy")
+    opened: list[Recorder] = []
+    statuses = install(toy_spec(toy, extra=(bogus,)), recorder_factory=recorder_in(tmp_path / "run", opened))
+    by_target = {s.target: s for s in statuses}
+    missing = by_target[f"{toy}:Engine.renamed_in_new_version"]
+    assert missing.status == "disabled" and "renamed_in_new_version" in missing.reason
+    assert by_target[f"{toy}:Engine.step"].status == "installed"
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("overshoot: hook ") and "disabled" in err[0]
+    module.run(module.Engine(), steps=2)  # the engine still works, the other hooks still record
+    opened[0].close()
+    run = load_run(tmp_path / "run")
+    assert len(run.steps) == 2
+    recorded = {h["target"]: h["status"] for h in run.processes[0]["hooks"]}  # the process json says so too
+    assert recorded[f"{toy}:Engine.renamed_in_new_version"] == "disabled"
+
+
+@pytest.mark.parametrize(
+    "dist, versions, expect",
+    [
+        ("overshoot-no-such-distribution", "", "unknown version"),
+        ("pytest", "<1", "unsupported version pytest"),
+    ],
+)
+def test_unknown_or_unsupported_version_disables_the_spec(toy, dist, versions, expect, capfd):
+    module = importlib.import_module(toy)
+    original = module.Engine.step
+    statuses = install(toy_spec(toy, dist=dist, versions=versions))
+    assert {s.status for s in statuses} == {"disabled"}
+    assert all(expect in s.reason for s in statuses)
+    assert module.Engine.step is original  # nothing wrapped
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("overshoot: toy hooks disabled:") and expect in err[0]
+
+
+def test_patching_twice_wraps_once(toy, tmp_path):
+    module = importlib.import_module(toy)
+    opened: list[Recorder] = []
+    factory = recorder_in(tmp_path / "run", opened)
+    first = install(toy_spec(toy))  # like the bootstrap: no factory
+    wrapped = module.Engine.step
+    again = install(toy_spec(toy), recorder_factory=factory)  # like vLLM's plugin: its factory takes over
+    other = install(toy_spec(toy, name="toy-copy"), recorder_factory=factory)  # same targets, another spec
+    assert [s.status for s in again] == [s.status for s in first]
+    assert all(s.status == "installed" and s.reason == "already installed" for s in other)
+    assert module.Engine.step is wrapped and not hasattr(wrapped.__wrapped__, "__wrapped__")
+    module.run(module.Engine(), steps=3)
+    opened[0].close()
+    run = load_run(tmp_path / "run")
+    assert len(run.steps) == 3 and (run.spans.kind == "wait").sum() == 3  # one span per call, not two
+
+
+def test_failing_facts_function_disables_itself_and_engine_runs_on(toy, tmp_path, capfd):
+    module = importlib.import_module(toy)
+
+    def broken(batch, *args):
+        return {"batch_size": batch.field_renamed_upstream}
+
+    spec = EngineSpec(
+        "toy",
+        (),
+        "",
+        (HookTarget(toy, "Engine.step", "step"), HookTarget(toy, "Engine.schedule", "busy", facts=broken)),
+    )
+    opened: list[Recorder] = []
+    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
+    module.run(module.Engine(), steps=4)
+    opened[0].close()
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    assert len(err) == 1 and "facts of" in err[0] and "field_renamed_upstream" in err[0]
+    assert len(load_run(tmp_path / "run").steps) == 4
+
+
+def test_static_methods_and_module_functions_keep_working(toy, tmp_path):
+    module = importlib.import_module(toy)
+    spec = EngineSpec(
+        "toy", (), "", (HookTarget(toy, "Engine.helper", "busy"), HookTarget(toy, "run", "busy"))
+    )
+    opened: list[Recorder] = []
+    statuses = install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
+    assert [s.status for s in statuses] == ["installed", "installed"]
+    assert module.Engine.helper(1) == 2 and module.Engine().helper(2) == 3
+    patcher.reset()
+    assert not getattr(module.Engine.helper, "__overshoot_hooked__", False)  # reset restores the original
+
+
+def test_no_recording_without_run_dir(toy, monkeypatch):
+    monkeypatch.delenv("OVERSHOOT_RUN_DIR", raising=False)
+    module = importlib.import_module(toy)
+    install(toy_spec(toy))  # no factory, no run dir: wrappers call straight through
+    assert module.Engine().step() == [1, 1, 1]
+
+
+def test_version_matching():
+    assert version_matches("0.32.0+cpu", ">=0.28,<0.34")
+    assert not version_matches("0.34.1", ">=0.28,<0.34")
+    assert version_matches("0.33.0.dev12", ">=0.28,<0.34")
+    with pytest.raises(ValueError):
+        version_matches("0.1", ">>0.2")
+    assert _simple_match("0.32.0", ">=0.28, <0.34") and not _simple_match("0.27.9", ">=0.28")
+    assert _simple_match("1.4.2", "~=1.4") and not _simple_match("2.0", "~=1.4")
+
+
+def test_registry_guesses_engine_and_loads_spec_files(tmp_path):
+    assert registry.engine_for_command(["python", "-m", "reference_engine", "serve"]) == "reference"
+    assert registry.engine_for_command(["python", "-m", "vllm.entrypoints.openai.api_server"]) == "vllm"
+    assert registry.engine_for_command(["./my-server"]) is None
+    assert [s.name for s in registry.load("engine_hooks.reference:SPEC")] == ["reference"]
+    spec_file = tmp_path / "my_spec.py"
+    spec_file.write_text("from engine_hooks import EngineSpec\nSPECS = [EngineSpec('mine', (), '', ())]\n")
+    assert [s.name for s in registry.load(f"{spec_file}:SPECS")] == ["mine"]
+    with pytest.raises(registry.SpecError, match="cannot load hook spec"):
+        registry.load("no_such_module_here:SPEC")
+    with pytest.raises(registry.SpecError, match="unknown engine"):
+        registry.selected(["sglang-someday"])
+
+
+def test_bootstrap_hooks_a_fresh_process_and_chains_sitecustomize(toy, tmp_path):
+    """The real path of `overshoot run`: PYTHONPATH bootstrap first, OVERSHOOT_RUN_DIR, a spec from a file."""
+    other = tmp_path / "other_site"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITECUSTOMIZE'] = 'ran'\n")
+    spec_file = tmp_path / "toy_spec.py"
+    spec_file.write_text(
+        textwrap.dedent(f"""
+        from engine_hooks import EngineSpec, HookTarget
+        SPEC = EngineSpec("toy", (), "", (
+            HookTarget("{toy}", "Engine.step", "step"),
+            HookTarget("{toy}", "Engine.wait_for_results", "wait"),
+            HookTarget("{toy}", "Engine.wait_for_work", "idle"),
+            HookTarget("{toy}", "Engine.gone", "busy"),
+        ))
+    """)
+    )
+    run_dir = tmp_path / "run"
+    env = dict(
+        os.environ,
+        OVERSHOOT_RUN_DIR=str(run_dir),
+        OVERSHOOT_ENGINE="none",
+        OVERSHOOT_EXTRA_SPECS=f"no_such_spec_module:SPEC,{spec_file}:SPEC",  # a bad one: skipped
+        PYTHONPATH=os.pathsep.join([str(BOOTSTRAP), str(other), str(tmp_path), str(REPO)]),
+    )
+    code = f"import os, {toy} as m; m.run(m.Engine(), 7); print(os.environ.get('OTHER_SITECUSTOMIZE'))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ran"
+    assert proc.stderr.count("overshoot: hook") == 1 and "Engine.gone" in proc.stderr
+    assert proc.stderr.count("overshoot: cannot load hook spec no_such_spec_module:SPEC") == 1
+    run = load_run(run_dir)
+    assert len(run.steps) == 7 and (run.spans.kind == "wait").sum() == 7
+    from engine_hooks import status
+
+    hooks = {h["target"].split(":")[1]: h["status"] for h in status.gather(str(run_dir))}
+    assert hooks == {
+        "Engine.step": "installed",
+        "Engine.wait_for_results": "installed",
+        "Engine.wait_for_work": "installed",
+        "Engine.gone": "disabled",
+    }
+
+
+def test_bootstrap_is_inert_without_run_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OVERSHOOT_RUN_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP), str(REPO)])
+    code = "import sys; print('engine_hooks' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False" and proc.stderr == ""
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reference_spec_on_the_real_engine(tmp_path, async_scheduling):
+    """The reference engine, measured only through its spec (it imports nothing from overshoot)."""
+    from engine_hooks.reference import SPEC
+    from reference_engine.config import Config
+    from reference_engine.engine import Engine, SamplingParams
+
+    opened: list[Recorder] = []
+    statuses = install(SPEC, recorder_factory=recorder_in(tmp_path / "run", opened))
+    assert all(s.status == "installed" for s in statuses), statuses
+    engine = Engine(Config(preset="tiny", device="cpu", async_scheduling=async_scheduling))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outputs = engine.generate([[5, 6, 7, 8]] * 4, params)
+        # Let the engine thread go idle: that ends its last step (a recorder closed from another thread keeps
+        # only finished steps).
+        deadline = time.monotonic() + 10
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+    finally:
+        engine.shutdown()
+    assert [len(o) for o in outputs] == [12] * 4
+    for rec in opened:
+        rec.close()
+    run = load_run(tmp_path / "run")
+    steps = run.steps[run.steps["thread"] == "engine"]
+    decode = steps[steps["phase"] == "decode"]
+    assert 4 in set(decode["batch_size"]) and decode["batch_size"].max() <= 4
+    assert decode["batch_size"].sum() >= 4 * 11  # every token after the prefill one came from a decode step
+    # Async: the last record only collects the previous batch (schedule() returned None): no facts.
+    assert set(steps["phase"].dropna()) <= (
+        {"prefill", "decode", "unknown"} if async_scheduling else {"prefill", "decode"}
+    )
+    assert (run.spans["kind"] == "wait").sum() >= len(decode)
+    assert "spec_tokens" in run.steps.columns
+
+
+def test_deferred_spec_stays_silent_until_its_engine_loads(toy, capfd):
+    """The bootstrap installs every known spec lazily: an engine that never loads costs no log line."""
+    statuses = install(toy_spec(toy, dist="overshoot-no-such-distribution"), defer_until_import=True)
+    assert {s.status for s in statuses} == {"pending"}
+    assert capfd.readouterr().err == ""
+    module = importlib.import_module(toy)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "toy hooks disabled: unknown version" in err[0]
+    assert not getattr(module.Engine.step, "__overshoot_hooked__", False)

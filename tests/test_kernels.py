@@ -1,0 +1,186 @@
+"""Triton kernels against the torch reference, on fresh random inputs with awkward sizes.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set by conftest.py). Tolerances:
+- fp32: rtol 1e-5, atol 1e-5 (only summation order differs).
+- bf16: rtol 2e-2, atol 2e-2 on values of order 1 (= a few bf16 ulps). The interpreter also rounds
+  fp32 -> bf16 toward zero where the GPU rounds to nearest, so each rounding may differ by one ulp.
+Keep sizes small: each interpreted launch costs ~0.1-0.5 s on a CPU.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from reference_engine.kernels import get_kernels, rope_cos_sin
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REF = get_kernels("torch")
+TRITON = get_kernels("triton")
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, *,
+                 atol: float | None = None) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    tol = dict(TOLERANCE[dtype])
+    if atol is not None:
+        tol["atol"] = atol
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    # Fresh inputs per test, but reproducible when a failure needs a rerun.
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_and_fused_add(dtype, gen):
+    x = randn(2, 3, 100, dtype=dtype, gen=gen)  # 3-D input, hidden not a power of two
+    residual = randn(2, 3, 100, dtype=dtype, gen=gen)
+    weight = randn(100, dtype=dtype, gen=gen)
+    assert_close(TRITON.rmsnorm(x, weight, 1e-6), REF.rmsnorm(x, weight, 1e-6), dtype)
+
+    normed, new_residual = TRITON.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    ref_normed, ref_residual = REF.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert_close(new_residual, ref_residual, dtype)
+    assert_close(normed, ref_normed, dtype)
+    # Inputs are left alone (the op is out of place).
+    assert not torch.equal(new_residual, residual)
+
+
+def test_rmsnorm_strided_rows(gen):
+    base = randn(5, 160, dtype=torch.float32, gen=gen)
+    x = base[:, :80]  # rows with stride 160
+    weight = randn(80, dtype=torch.float32, gen=gen)
+    assert_close(TRITON.rmsnorm(x, weight, 1e-5), REF.rmsnorm(x, weight, 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype, gen):
+    gate_up = randn(2, 3, 2 * 1100, dtype=dtype, gen=gen)  # 1100 columns: two column tiles, the last partial
+    out = TRITON.silu_and_mul(gate_up)
+    assert out.shape == (2, 3, 1100)
+    assert_close(out, REF.silu_and_mul(gate_up), dtype)
+
+
+def make_paged_kv(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, gen):
+    """Random q and a paged cache whose block tables are a shuffled, non-contiguous pick of blocks."""
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1  # one spare column, left unused (-1)
+    num_blocks = batch * max_blocks + 3
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(seq_lens):
+        needed = -(-n // block_size)
+        block_tables[row, :needed] = order[used:used + needed].to(torch.int32)
+        used += needed
+    q = randn(batch, num_q_heads, head_dim, dtype=dtype, gen=gen)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, block_tables.to(DEVICE), seq_lens_t
+
+
+@pytest.mark.parametrize(
+    "dtype,num_q_heads,num_kv_heads,block_size,seq_lens,num_splits",
+    [
+        (torch.float32, 8, 2, 16, [1, 37, 130], 1),  # GQA group 4, one split (direct write)
+        (torch.float32, 8, 2, 16, [1, 37, 130], 3),  # split-K, some splits empty for the short rows
+        (torch.bfloat16, 4, 4, 8, [70, 9], None),  # MHA, small blocks, automatic split count
+        (torch.bfloat16, 6, 2, 5, [23, 64], 4),  # group 3 (padded), block size not a power of two
+    ],
+)
+def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits, gen):
+    q, k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        batch=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, seq_lens=seq_lens, dtype=dtype, gen=gen)
+    scale = 32**-0.5
+    expected = REF.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    if num_splits is None:
+        out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    else:
+        out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
+                                            num_splits=num_splits)
+    assert_close(out, expected, dtype)
+
+
+def test_paged_decode_attention_matches_dense_and_ignores_padding(gen):
+    """Against plain dense softmax attention (not the paged reference), plus a seq_len-0 padding row."""
+    q, k_cache, v_cache, block_tables, seq_lens = make_paged_kv(
+        batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, seq_lens=[21, 1],
+        dtype=torch.float32, gen=gen)
+    seq_lens[1] = 0  # a graph-padding row: no history at all
+    out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, num_splits=2)
+    keys = k_cache[block_tables[0, :2].long()].reshape(32, 2, 16)[:21]  # [21, Hkv, D]
+    values = v_cache[block_tables[0, :2].long()].reshape(32, 2, 16)[:21]
+    for head in range(4):
+        kv_head = head // 2
+        probs = torch.softmax(keys[:, kv_head] @ q[0, head] * 0.25, dim=0)
+        torch.testing.assert_close(out[0, head], probs @ values[:, kv_head], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_cache(dtype, gen):
+    num_q_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 8
+    tokens = 5
+    qkv = randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q_weight, k_weight = randn(head_dim, dtype=dtype, gen=gen), randn(head_dim, dtype=dtype, gen=gen)
+    cos, sin = rope_cos_sin(64, head_dim, 1e6, device=DEVICE)
+    positions = torch.tensor([0, 7, 63, 12, 3], device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 40, 8], device=DEVICE)  # -1: padding, must not be written
+    k_cache = randn(6, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    v_cache = randn(6, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    outs = [
+        ops.qk_norm_rope_cache(qkv, q_weight, k_weight, cos, sin, positions, kc, vc, slots,
+                               num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=1e-6)
+        for ops, (kc, vc) in zip((TRITON, REF), caches, strict=True)
+    ]
+    # Rotated outputs chain three roundings in bf16: allow a little more absolute slack there.
+    atol = 6e-2 if dtype == torch.bfloat16 else None
+    for actual, expected in zip(outs[0], outs[1], strict=True):
+        assert_close(actual, expected, dtype, atol=atol)
+    for actual, expected in zip(caches[0], caches[1], strict=True):
+        assert_close(actual, expected, dtype, atol=atol)
+    # Exactly the four real slots changed, and they hold the returned k and v.
+    flat_k = caches[0][0].view(-1, num_kv_heads, head_dim)
+    flat_v = caches[0][1].view(-1, num_kv_heads, head_dim)
+    changed = (flat_k != k_cache.view(-1, num_kv_heads, head_dim)).flatten(1).any(1).nonzero().flatten()
+    assert changed.tolist() == [3, 8, 17, 40]
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], outs[0][1][keep])
+    assert torch.equal(flat_v[slots[keep]], outs[0][2][keep])
+    assert torch.equal(outs[0][2], qkv.view(tokens, -1, head_dim)[:, num_q_heads + num_kv_heads:])
+
+
+def test_torch_reference_rope_is_a_rotation(gen):
+    """The reference itself: RoPE at position 0 is the identity and keeps norms at every position."""
+    head_dim = 16
+    cos, sin = rope_cos_sin(32, head_dim, 10_000.0)
+    qkv = randn(2, 3 * head_dim, dtype=torch.float32, gen=gen).cpu()
+    ones = torch.ones(head_dim)
+    k_cache = torch.zeros(2, 4, 1, head_dim)
+    v_cache = torch.zeros(2, 4, 1, head_dim)
+    q, k, _ = REF.qk_norm_rope_cache(qkv, ones, ones, cos, sin, torch.tensor([0, 9]), k_cache, v_cache,
+                                     torch.tensor([0, 5]), num_q_heads=1, num_kv_heads=1, eps=1e-6)
+    normed_q = REF.rmsnorm(qkv[:, :head_dim], ones, 1e-6)
+    torch.testing.assert_close(q[0, 0], normed_q[0])
+    torch.testing.assert_close(q[1, 0].norm(), normed_q[1].norm())
+    assert not torch.allclose(q[1, 0], normed_q[1])
+    assert torch.equal(k_cache.view(-1, 1, head_dim)[5], k[1])
+
+
+def test_unknown_kernels_name():
+    with pytest.raises(ValueError, match="unknown kernels 'cuda'"):
+        get_kernels("cuda")
+    assert get_kernels("torch").name == "torch"

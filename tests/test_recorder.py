@@ -1,0 +1,412 @@
+"""Recorder API semantics: step boundaries, nested waits, splitting, idle, facts, files, lifecycle."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from time import perf_counter_ns
+
+import pytest
+
+from overshoot import Recorder
+from overshoot.run_dir import load_run, read_meta, write_meta
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spin(us: float) -> None:
+    end = perf_counter_ns() + int(us * 1e3)
+    while perf_counter_ns() < end:
+        pass
+
+
+def record(run_dir, body, **options):
+    rec = Recorder(run_dir, engine="test", flush_steps=options.pop("flush_steps", 1000), **options)
+    try:
+        body(rec)
+    finally:
+        rec.close()
+    return load_run(run_dir)
+
+
+def test_step_begin_ends_previous_step_and_steps_are_contiguous(tmp_path):
+    def body(rec):
+        for i in range(5):
+            rec.step_begin(batch_size=i + 1, num_tokens=2 * i, phase="decode")
+            spin(50)
+
+    steps = record(tmp_path, body).steps
+    assert list(steps["step"]) == [0, 1, 2, 3, 4]
+    assert list(steps["batch_size"]) == [1, 2, 3, 4, 5]
+    assert list(steps["num_tokens"]) == [0, 2, 4, 6, 8]
+    assert (steps["start_ns"].iloc[1:].to_numpy() == steps["end_ns"].iloc[:-1].to_numpy()).all()
+    assert (steps["end_ns"] - steps["start_ns"] >= 50_000).all()
+    assert (steps["wait_ns"] == 0).all()
+    assert set(steps["phase"]) == {"decode"}
+
+
+def test_step_end_step_scope_and_missing_facts(tmp_path):
+    def body(rec):
+        with rec.step(batch_size=2):
+            spin(20)
+        spin(100)  # between steps: belongs to no step
+        rec.step_begin()
+        rec.step_end()
+        rec.step_end()  # no open step: ignored
+
+    steps = record(tmp_path, body).steps
+    assert len(steps) == 2
+    assert steps["start_ns"].iloc[1] - steps["end_ns"].iloc[0] >= 100_000
+    assert steps["phase"].tolist() == ["unknown", "unknown"]
+    assert steps["batch_size"].iloc[0] == 2 and steps["batch_size"].isna().iloc[1]
+    assert steps["num_tokens"].isna().all()
+
+
+def test_nested_waits_count_once_and_busy_spans_are_labelled(tmp_path):
+    def body(rec):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("schedule"):
+            spin(30)
+        with rec.wait("outer"):
+            spin(40)
+            with rec.wait("inner"):
+                spin(60)
+        with rec.busy("update"):
+            with rec.wait("sync"):  # a wait inside busy is still a wait
+                spin(50)
+
+    run = record(tmp_path, body)
+    step = run.steps.iloc[0]
+    spans = run.spans.set_index("label")
+    assert spans.loc["outer", "dur_ns"] >= spans.loc["inner", "dur_ns"] >= 60_000
+    assert step["wait_ns"] == spans.loc["outer", "dur_ns"] + spans.loc["sync", "dur_ns"]
+    assert set(run.spans["kind"]) == {"busy", "wait"}
+    assert spans.loc["schedule", "kind"] == "busy" and spans.loc["inner", "kind"] == "wait"
+    assert (run.spans["step"] == 0).all()
+
+
+def test_span_open_at_a_boundary_is_split_there(tmp_path):
+    def body(rec):
+        rec.step_begin()
+        rec.busy_begin("loop")
+        rec.wait_begin("gpu")
+        spin(50)
+        rec.step_begin()  # both spans still open
+        spin(70)
+        rec.wait_end()
+        rec.busy_end()
+        rec.step_end()
+
+    run = record(tmp_path, body)
+    s0, s1 = run.steps.iloc[0], run.steps.iloc[1]
+    boundary = s0["end_ns"]
+    assert s1["start_ns"] == boundary
+    parts = run.spans.sort_values(["label", "step"])
+    for label in ("loop", "gpu"):
+        first, second = parts[parts["label"] == label].itertuples()
+        assert (first.step, second.step) == (0, 1)
+        assert first.start_ns + first.dur_ns == boundary == second.start_ns
+    wait_parts = parts[parts["label"] == "gpu"]["dur_ns"].tolist()
+    assert [s0["wait_ns"], s1["wait_ns"]] == wait_parts
+    assert s1["wait_ns"] >= 70_000
+
+
+def test_idle_ends_the_step_and_belongs_to_no_step(tmp_path):
+    def body(rec):
+        rec.step_begin(phase="prefill")
+        spin(30)
+        with rec.idle():
+            spin(80)
+        rec.step_begin(phase="decode")
+        spin(10)
+
+    run = record(tmp_path, body)
+    idle = run.spans[run.spans["kind"] == "idle"].iloc[0]
+    assert idle["step"] == -1 and idle["dur_ns"] >= 80_000
+    s0, s1 = run.steps.iloc[0], run.steps.iloc[1]
+    assert s0["end_ns"] <= idle["start_ns"] and idle["start_ns"] + idle["dur_ns"] <= s1["start_ns"]
+    assert s0["end_ns"] - s0["start_ns"] < 80_000
+
+
+def test_extra_facts_become_columns_and_a_new_fact_starts_a_segment(tmp_path):
+    def body(rec):
+        for i in range(6):
+            facts = {"spec_tokens": 3} if i >= 2 else {}
+            rec.step_begin(batch_size=1, phase="decode", **facts)
+            if i == 4:
+                rec.step_facts(accepted_tokens=2, batch_size=7, phase="mixed", note="x")
+            if i == 3:
+                rec.flush()  # a chunk boundary inside the run
+
+    run = record(tmp_path, body, flush_steps=2)
+    steps = run.steps
+    assert steps["spec_tokens"].isna().tolist() == [True, True, False, False, False, False]
+    assert steps["spec_tokens"].dropna().tolist() == [3, 3, 3, 3]
+    row = steps.iloc[4]
+    assert (row["accepted_tokens"], row["batch_size"], row["phase"], row["note"]) == (2, 7, "mixed", "x")
+    assert steps["accepted_tokens"].isna().sum() == 5
+    segments = sorted(p.name for p in (tmp_path / "spool").glob("*.steps.*.arrow"))
+    assert len(segments) >= 3, segments  # no facts -> +spec_tokens -> +accepted_tokens/note
+    assert run.warnings == []
+
+
+def test_gpu_span_keeps_first_start_and_last_end(tmp_path):
+    def body(rec):
+        rec.gpu_span(1, 2)  # outside a step: ignored
+        rec.step_begin()
+        rec.gpu_span(100, 200)
+        rec.gpu_span(150, 400)
+        rec.step_begin()  # no GPU work
+        rec.step_begin()
+        rec.gpu_span(500, 600)
+
+    gpu = record(tmp_path, body).gpu
+    assert gpu[["step", "gpu_start_ns", "gpu_end_ns"]].values.tolist() == [[0, 100, 400], [2, 500, 600]]
+
+
+def test_scopes_are_cached_and_misuse_never_raises(tmp_path):
+    rec = Recorder(tmp_path, engine="test")
+    assert rec.busy("x") is rec.busy("x") and rec.wait("g") is rec.wait("g") and rec.idle() is rec.idle()
+    rec.busy_end()  # unmatched end
+    rec.step_begin()
+    for _ in range(100):  # deeper than the span stack
+        rec.busy_begin("deep")
+    for _ in range(100):
+        rec.busy_end()
+    rec.step_begin()
+    with rec.busy("after"):
+        pass
+    rec.close()
+    rec.step_begin()  # after close: ignored, no error
+    rec.busy_begin("late")
+    rec.busy_end()
+    run = load_run(tmp_path)
+    assert len(run.steps) == 2
+    assert (run.spans["label"] == "deep").sum() == 64 and (run.spans["label"] == "after").sum() == 1
+
+
+def test_hot_path_keeps_only_the_clock_ints(tmp_path):
+    rec = Recorder(tmp_path, engine="test", span_capacity=50_000)
+    rec.step_begin()
+    scope = rec.busy("x")
+    for _ in range(100):
+        with scope:
+            pass
+    n = 20_000
+    before = sys.getallocatedblocks()
+    for _ in range(n):
+        with rec.busy("x"):
+            pass
+    per_span = (sys.getallocatedblocks() - before) / n
+    rec.close()
+    # Each span stores two ints (start, duration); a per-span tuple/dict/object would add at least one block.
+    assert per_span < 2.5, per_span
+
+
+def test_time_based_flush_makes_data_readable_while_recording(tmp_path):
+    rec = Recorder(tmp_path, engine="test", flush_steps=10_000, flush_seconds=0.0)
+    for _ in range(3):
+        rec.step_begin()
+        spin(10)
+    rec.step_begin()
+    run = load_run(tmp_path)  # the recorder is still open
+    assert len(run.steps) == 3
+    flush_spans = run.spans[run.spans["label"] == "overshoot:flush"]
+    assert len(flush_spans) >= 2 and (flush_spans["step"] == -1).all()
+    rec.close()
+    assert len(load_run(tmp_path).steps) == 4
+
+
+def test_recorder_json_meta_and_unique_tags(tmp_path):
+    info = {"hooks": [{"target": "engine.step", "status": "ok", "reason": None}], "server": "demo"}
+    a = Recorder(tmp_path, engine="eng", thread_tag="engine/0", process_info=info)
+    b = Recorder(tmp_path, engine="eng", thread_tag="engine/0")
+    assert a.tag == "engine_0" and b.tag == "engine_0-2"
+    for rec in (a, b):
+        rec.step_begin()
+        rec.close()
+    meta = read_meta(tmp_path)
+    assert meta["engine"] == "eng" and meta["created_by"] == "recorder" and meta["host"]["cpu"]
+    processes = {p["tag"]: p for p in load_run(tmp_path).processes}
+    pa_ = processes["engine_0"]
+    assert pa_["hooks"] == info["hooks"] and pa_["server"] == "demo" and pa_["closed"] is True
+    assert pa_["engine"] == "eng" and pa_["options"]["flush_steps"] == 256 and pa_["steps"] == 1
+    assert pa_["thread"] == threading.current_thread().name and "perf_counter_ns" in pa_["clock"]
+    assert set(load_run(tmp_path).steps["thread"]) == {"engine_0", "engine_0-2"}
+
+
+def test_existing_meta_is_not_replaced(tmp_path):
+    write_meta(tmp_path, {"created_by": "overshoot run", "levels": []})
+    Recorder(tmp_path, engine="x").close()
+    assert read_meta(tmp_path)["created_by"] == "overshoot run"
+    assert json.loads((tmp_path / "meta.json").read_text())["levels"] == []
+
+
+def test_recorders_on_several_threads_do_not_collide(tmp_path):
+    def engine_thread(i):
+        rec = Recorder(tmp_path, engine="t")
+        for _ in range(50 + i):
+            rec.step_begin(batch_size=i)
+            with rec.busy("work"):
+                spin(5)
+        rec.close()
+
+    threads = [threading.Thread(target=engine_thread, args=(i,), name=f"engine-{i}") for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = load_run(tmp_path).steps
+    counts = steps.groupby("thread").size().to_dict()
+    assert counts == {"engine-0": 50, "engine-1": 51, "engine-2": 52}
+    assert steps["pid"].nunique() == 1
+
+
+def test_import_is_light_and_gpu_calls_are_noops_without_cuda(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        import overshoot
+        assert "torch" not in sys.modules and "pandas" not in sys.modules and "pyarrow" not in sys.modules
+        rec = overshoot.Recorder({str(tmp_path)!r}, engine="cpu")
+        for _ in range(3):
+            rec.step_begin()
+            rec.busy_begin("launch")
+            rec.busy_end()
+        rec.close()
+        print("torch" in sys.modules, "pandas" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]  # recording never loads torch or pandas
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch not installed")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by the GPU check")
+    rec = Recorder(tmp_path / "gpu", engine="cpu")
+    rec.step_begin()
+    rec.gpu_begin(None)
+    rec.gpu_end(None)
+    rec.close()
+    run = load_run(tmp_path / "gpu")
+    assert len(run.steps) == 1 and len(run.gpu) == 0 and list(run.gpu.columns)[:3] == [
+        "step", "gpu_start_ns", "gpu_end_ns"]
+
+
+def test_nvtx_ranges_do_not_change_what_is_recorded(tmp_path):
+    pytest.importorskip("nvtx")
+    rec = Recorder(tmp_path, engine="test", nvtx=True)
+    assert type(rec).__name__ == "_NvtxRecorder"
+    for _ in range(3):
+        rec.step_begin()
+        with rec.busy("schedule"):
+            with rec.wait("gpu"):
+                spin(20)
+        with rec.idle():
+            pass
+    rec.close()
+    run = load_run(tmp_path)
+    assert len(run.steps) == 3 and (run.steps["wait_ns"] >= 20_000).all()
+    assert run.spans["kind"].value_counts().to_dict() == {"busy": 3, "wait": 3, "idle": 3}
+    assert run.processes[0]["options"]["nvtx"] is True
+
+
+# ---- CUDA (runs where a GPU is present; skipped on CPU-only CI) --------------------------------------------
+
+
+def _cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch
+
+
+def test_cuda_events_resolve_to_plausible_gpu_times(tmp_path):
+    torch = _cuda()
+    stream = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device="cuda")
+    with torch.cuda.stream(stream):
+        for _ in range(5):
+            a @ a
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(40):
+            a @ a
+        end.record(stream)
+    end.synchronize()
+    matmul_ms = start.elapsed_time(end) / 40
+
+    rec = Recorder(tmp_path, engine="cuda-test", flush_steps=8)
+    for _ in range(30):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"), torch.cuda.stream(stream):
+            rec.gpu_begin(stream)
+            for _ in range(4):
+                a @ a
+            rec.gpu_end(stream)
+        with rec.wait("gpu"):
+            stream.synchronize()
+    rec.close()
+    run = load_run(tmp_path)
+    assert run.processes[0]["gpu"] and run.processes[0]["gpu_events"]["dropped"] == 0
+    gpu = run.gpu.merge(run.steps, on=["pid", "thread", "step"])
+    assert len(gpu) == 30
+    gpu_ms = (gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6
+    assert (gpu_ms.median() / (4 * matmul_ms)) == pytest.approx(1.0, rel=0.25), (gpu_ms.median(), matmul_ms)
+    # Host-clock placement: each step's GPU work lies inside its step (launch .. end of the wait), give or
+    # take the anchor's error of a few µs.
+    slack = 50_000
+    assert (gpu["gpu_start_ns"] >= gpu["start_ns"] - slack).all()
+    assert (gpu["gpu_end_ns"] <= gpu["end_ns"] + slack).all()
+
+
+def test_cuda_hot_path_and_flush_never_wait_for_the_gpu(tmp_path):
+    torch = _cuda()
+    stream = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    rec = Recorder(tmp_path, engine="cuda-test", cuda=True)
+    torch.cuda.synchronize()
+    rec.step_begin()
+    t0 = perf_counter_ns()
+    rec.gpu_begin(stream)
+    with torch.cuda.stream(stream):
+        for _ in range(200):  # tens of ms of GPU work
+            a @ a
+    rec.gpu_end(stream)
+    rec.step_begin()  # commits the slot
+    rec.flush()  # queries, must not wait
+    host_ms = (perf_counter_ns() - t0) / 1e6
+    assert rec._ring.unresolved == 1, "the GPU cannot have finished yet"
+    stream.synchronize()
+    gpu_ms = (perf_counter_ns() - t0) / 1e6
+    assert host_ms < gpu_ms / 3, (host_ms, gpu_ms)
+    rec.close()
+    run = load_run(tmp_path)
+    assert len(run.gpu) == 1 and run.gpu["step"].iloc[0] == 0
+
+
+def test_cuda_ring_drops_oldest_and_reanchors(tmp_path):
+    torch = _cuda()
+    from overshoot.gpu import CudaEventRing
+
+    stream = torch.cuda.Stream()
+    ring = CudaEventRing(size=4, reanchor_seconds=0.0)
+    for step in range(6):  # never resolved in between: the two oldest are dropped, nothing waits
+        slot = ring.acquire()
+        ring.begin_events[slot].record(stream)
+        ring.end_events[slot].record(stream)
+        ring.commit(slot, step)
+    assert ring.dropped == 2 and ring.unresolved == 4
+    stream.synchronize()
+    out: tuple[list, list, list] = ([], [], [])
+    ring.drain(*out)
+    assert out[0] == [2, 3, 4, 5] and all(e >= s for s, e in zip(out[1], out[2], strict=True))
+    ring.drain(*out)  # records a new anchor (reanchor_seconds=0) ...
+    torch.cuda.synchronize()
+    ring.drain(*out)  # ... and adopts it once reached
+    assert ring.anchors >= 2 and ring.max_drift_us < 1000

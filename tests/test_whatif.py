@@ -1,0 +1,117 @@
+"""What-if projections against reruns where the truth is known."""
+
+from __future__ import annotations
+
+import pytest
+from run_factory import simulate_timeline, write_run
+
+from overshoot.analyze import summarize
+from overshoot.run_dir import load_run
+from overshoot.whatif import WhatIf, parse_what_if
+
+GPU_FASTER = WhatIf("gpu", -0.10)
+CPU_FASTER = WhatIf("cpu", -0.10)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("gpu=-10%", WhatIf("gpu", -0.10)),
+        ("CPU=+5%", WhatIf("cpu", 0.05)),
+        ("gpu=-0.2", WhatIf("gpu", -0.2)),
+        (" cpu = -25 ", WhatIf("cpu", -0.25)),
+    ],
+)
+def test_parse_what_if(text, expected):
+    got = parse_what_if(text)
+    assert got.target == expected.target and got.change == pytest.approx(expected.change)
+
+
+@pytest.mark.parametrize("text", ["gpu", "gpu=", "gpu=abc", "tpu=-10%", "gpu=-100%", "gpu=-10%%", ""])
+def test_parse_what_if_rejects_garbage(text):
+    with pytest.raises(ValueError, match="--what-if"):
+        parse_what_if(text)
+
+
+def _mean_step_ms(frames) -> float:
+    return float((frames.steps["end_ns"] - frames.steps["start_ns"]).mean() / 1e6)
+
+
+# (mode, cpu ms, gpu ms): GPU-bound, CPU-bound, and near the edge where jitter mixes both kinds of steps.
+CASES = [
+    ("sync", 1.0, 1.2),
+    ("async", 0.6, 1.2),
+    ("async", 1.5, 1.2),
+    ("async", 1.1, 1.2),
+    ("async", 1.2, 1.2),
+]
+
+
+@pytest.mark.parametrize(("mode", "cpu_ms", "gpu_ms"), CASES)
+def test_replay_matches_a_rerun_with_shorter_gpu_and_cpu(tmp_path, mode, cpu_ms, gpu_ms):
+    """Same seed, same CPU jitter: the rerun differs only by the changed durations."""
+    kwargs = dict(mode=mode, cpu_ms=cpu_ms, gpu_ms=gpu_ms, jitter=0.3, seed=7, idle_every=97)
+    base = simulate_timeline(400, **kwargs)
+    summary = summarize(load_run(write_run(tmp_path / "r", base)), what_ifs=[GPU_FASTER, CPU_FASTER])
+    group = summary.groups.iloc[0]
+    gpu_rerun = simulate_timeline(400, **{**kwargs, "gpu_ms": gpu_ms * 0.9})
+    truth_gpu = 100 * (_mean_step_ms(gpu_rerun) / _mean_step_ms(base) - 1)
+    assert group["whatif:gpu-10%"] == pytest.approx(truth_gpu, abs=0.5)
+    cpu_rerun = simulate_timeline(400, **{**kwargs, "cpu_ms": cpu_ms * 0.9, "post_ms": 0.2 * 0.9})
+    truth_cpu = 100 * (_mean_step_ms(cpu_rerun) / _mean_step_ms(base) - 1)
+    assert group["whatif:cpu-10%"] == pytest.approx(truth_cpu, abs=0.5)
+
+
+def test_gpu_speedup_does_not_reach_cpu_bound_steps(tmp_path):
+    base = simulate_timeline(300, mode="async", cpu_ms=2.0, gpu_ms=1.0)
+    summary = summarize(load_run(write_run(tmp_path / "r", base)), what_ifs=[GPU_FASTER, CPU_FASTER])
+    group = summary.groups.iloc[0]
+    assert group["cpu_bound_pct"] > 99
+    assert group["whatif:gpu-10%"] == pytest.approx(0.0, abs=0.05)
+    assert group["whatif:cpu-10%"] < -8.0
+
+
+def test_per_step_fallback_without_gpu_times(tmp_path):
+    frames = simulate_timeline(100, mode="sync", cpu_ms=1.0, gpu_ms=1.0, post_ms=0.0)
+    frames.gpu = frames.gpu.iloc[:0]
+    summary = summarize(load_run(write_run(tmp_path / "r", frames)), what_ifs=[GPU_FASTER])
+    # sync sum model: step = busy + wait, the wait scaled: (1.0 + 0.9 * 1.003) / 2.003 - 1
+    assert summary.groups.iloc[0]["whatif:gpu-10%"] == pytest.approx(100 * (1.9027 / 2.003 - 1), abs=0.1)
+    assert any("per-step model" in note for note in summary.notes)
+
+
+# Synthetic engine (tests/synthetic_engine.py): an engine thread recording through the Recorder, its device
+# a virtual in-order timeline. Same seed = the same CPU work, so a rerun differs only by the changed duration.
+SYNTHETIC = {
+    "sync": dict(mode="sync", cpu_ms=0.3, device_ms=0.3),
+    "async-gpu-bound": dict(mode="async", cpu_ms=0.25, device_ms=0.4),
+    "async-edge": dict(mode="async", cpu_ms=0.3, device_ms=0.38),
+}
+
+
+def _median_step_ms(run_dir) -> float:
+    steps = load_run(run_dir).steps
+    return float((steps["end_ns"] - steps["start_ns"]).median() / 1e6)
+
+
+@pytest.mark.parametrize("case", sorted(SYNTHETIC))
+def test_projection_matches_a_synthetic_rerun(tmp_path, case):
+    """Per-step projections against a rerun, compared by median step time: a busy-spinning engine thread on a
+    shared 2-core machine gets preempted now and then, which moves means far more than medians."""
+    from synthetic_engine import SyntheticConfig, record_synthetic
+
+    params = SYNTHETIC[case]
+    record_synthetic(tmp_path / "base", SyntheticConfig(steps=300, seed=11, **params))
+    summary = summarize(load_run(tmp_path / "base"), what_ifs=[GPU_FASTER, CPU_FASTER])
+    assert summary.mode.mode == params["mode"]
+    cpu_bound = float(summary.steps["cpu_bound"].mean())
+    if case == "async-edge":  # the case must really mix CPU- and GPU-bound steps
+        assert 0.15 < cpu_bound < 0.85, cpu_bound
+    for what_if, override in (
+        (GPU_FASTER, {"device_ms": params["device_ms"] * 0.9}),
+        (CPU_FASTER, {"cpu_ms": params["cpu_ms"] * 0.9}),
+    ):
+        rerun = tmp_path / what_if.label
+        record_synthetic(rerun, SyntheticConfig(steps=300, seed=11, **{**params, **override}))
+        projected_ms = float(summary.steps[f"whatif:{what_if.label}"].median())
+        assert projected_ms == pytest.approx(_median_step_ms(rerun), rel=0.03), (case, what_if.label)
