@@ -13,11 +13,16 @@ _lock = threading.RLock()
 _waiting: dict[str, list[Callable[[object], None]]] = {}
 
 
+def initializing(module_obj: object) -> bool:
+    """True while the module's own code is still running (a half-imported module lacks later names)."""
+    return bool(getattr(getattr(module_obj, "__spec__", None), "_initializing", False))
+
+
 def when_imported(module: str, callback: Callable[[object], None]) -> None:
     """Call callback(module_obj) once the module is imported (now, if it already is)."""
     with _lock:
         loaded = sys.modules.get(module)
-        if loaded is None:
+        if loaded is None or initializing(loaded):
             _waiting.setdefault(module, []).append(callback)
             if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
                 sys.meta_path.insert(0, _PostImportFinder())
@@ -83,6 +88,9 @@ class _PatchingLoader:
             module.__loader__ = self._loader
         if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
             module.__spec__.loader = self._loader
+        # The module's code has run; importlib clears the flag only after we return, and hooks check it.
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__._initializing = False
         _imported(self._fullname)
 
     def __getattr__(self, name):

@@ -72,8 +72,9 @@ def _install(spec: EngineSpec, factory: RecorderFactory | None) -> list[HookStat
         def patch(module_obj, qualname=qualname, indices=indices):
             _patch_function(spec, factory, module_obj, qualname, [statuses[i] for i in indices], indices)
 
-        if module in sys.modules:
-            patch(sys.modules[module])
+        loaded = sys.modules.get(module)
+        if loaded is not None and not import_hook.initializing(loaded):
+            patch(loaded)
         else:
             import_hook.when_imported(module, patch)
     status.changed()
