@@ -123,7 +123,7 @@ class Recorder:
     # attribute access on the hot path gets ~20% slower.
     __slots__ = (
         "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__",
-        "_flush_interval_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap",
+        "_flush_interval_ns", "_idle_flush_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap",
         "_s_step", "_s_start", "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts",
         "_n_steps", "_spans_cap", "_p_step", "_p_kind", "_p_label", "_p_start", "_p_dur", "_n_spans",
         "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
@@ -153,6 +153,8 @@ class Recorder:
         self.engine = engine
         self.flush_steps = flush_steps
         self._flush_interval_ns = int(flush_seconds * 1e9)
+        # Engines that poll for work enter idle every loop: flush there at most once per interval (>= 10 ms).
+        self._idle_flush_ns = max(10_000_000, self._flush_interval_ns)
         self._owner = threading.get_ident()
         self._nvtx = make_ranges(nvtx)
         self._nvtx_step = None
@@ -361,7 +363,7 @@ class Recorder:
         t = perf_counter_ns()
         if self._step >= 0:
             t = self._boundary(t)
-        if self._n_steps > self._w_steps and t - self._last_flush_ns >= 10_000_000:
+        if self._n_steps > self._w_steps and t - self._last_flush_ns >= self._idle_flush_ns:
             # The thread has nothing to do: a good moment to flush (rate-limited for engines that poll).
             t = self._flush_between_steps(t)
         d = self._depth
