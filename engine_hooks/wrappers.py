@@ -87,52 +87,37 @@ def _step_wrapper(func, _label, engine, factory):
     return wrapper
 
 
-def _busy_wrapper(func, label, engine, factory):
-    def wrapper(*args, **kwargs):
-        try:
-            rec = _tls.rec
-        except AttributeError:
-            rec = _open_recorder(engine, factory)
-        if rec is None:
-            return func(*args, **kwargs)
-        try:
-            rec.busy_begin(label)
-        except Exception as exc:
-            _recording_failed(exc)
-            return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        finally:
+def _span_wrapper(begin_name: str, end_name: str):
+    """A wrapper maker for one span kind: begin/end around the call, never failing the call itself."""
+
+    def make(func, label, engine, factory):
+        def wrapper(*args, **kwargs):
             try:
-                rec.busy_end()
+                rec = _tls.rec
+            except AttributeError:
+                rec = _open_recorder(engine, factory)
+            if rec is None:
+                return func(*args, **kwargs)
+            try:
+                getattr(rec, begin_name)(label)
             except Exception as exc:
                 _recording_failed(exc)
-
-    return wrapper
-
-
-def _wait_wrapper(func, label, engine, factory):
-    def wrapper(*args, **kwargs):
-        try:
-            rec = _tls.rec
-        except AttributeError:
-            rec = _open_recorder(engine, factory)
-        if rec is None:
-            return func(*args, **kwargs)
-        try:
-            rec.wait_begin(label)
-        except Exception as exc:
-            _recording_failed(exc)
-            return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        finally:
+                return func(*args, **kwargs)
             try:
-                rec.wait_end()
-            except Exception as exc:
-                _recording_failed(exc)
+                return func(*args, **kwargs)
+            finally:
+                try:
+                    getattr(rec, end_name)()
+                except Exception as exc:
+                    _recording_failed(exc)
 
-    return wrapper
+        return wrapper
+
+    return make
+
+
+_busy_wrapper = _span_wrapper("busy_begin", "busy_end")
+_wait_wrapper = _span_wrapper("wait_begin", "wait_end")
 
 
 def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory):
