@@ -128,16 +128,34 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) 
         return begin.elapsed_time(end) / reps
 
     x = torch.randn(1, base.hidden_size, device="cuda", dtype=model.dtype)
-    layer = model.layers[0]
+    layer, ops, eps = model.layers[0], model.ops, base.rms_norm_eps
     act = torch.randn(1, base.intermediate_size, device="cuda", dtype=model.dtype)
     att = torch.randn(1, base.num_heads * base.head_dim, device="cuda", dtype=model.dtype)
-    gemm_ms = base.num_layers * sum(
-        timed(lambda w=w, i=i: torch.nn.functional.linear(i, w))
+    linear = torch.nn.functional.linear
+    # One layer's weights timed alone, x num_layers (qkv and o_proj fit in the L2 here: a lower bound).
+    cublas_ms = base.num_layers * sum(
+        timed(lambda w=w, i=i: linear(i, w))
         for w, i in ((layer.qkv, x), (layer.o_proj, att), (layer.gate_up, x), (layer.down, act))
     )
-    lm_ms = timed(lambda: torch.nn.functional.linear(x, model.lm_head))
-    result = {"profile_top": {k: v for k, v in top}, "layer_gemms_ms": gemm_ms, "lm_head_ms": lm_ms}
-    print(f"GEMMs alone: layers {gemm_ms:.3f} ms + lm_head {lm_ms:.3f} ms = {gemm_ms + lm_ms:.3f} ms")
+    fused_ms = base.num_layers * sum(
+        timed(fn)
+        for fn in (
+            lambda: ops.norm_linear(x, layer.input_norm, layer.qkv, eps),
+            lambda: ops.linear_residual(att, layer.o_proj, x),
+            lambda: ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps),
+            lambda: ops.linear_residual(act, layer.down, x),
+        )
+    )
+    lm_ms = timed(lambda: linear(x, model.lm_head))
+    lm_fused_ms = timed(
+        lambda: ops.norm_linear(x, model.final_norm, model.lm_head, eps, out_dtype=torch.float32)
+    )
+    result = {"profile_top": {k: v for k, v in top}, "layer_gemms_ms": cublas_ms, "lm_head_ms": lm_ms,
+              "layer_fused_ms": fused_ms, "lm_head_fused_ms": lm_fused_ms}
+    print(f"GEMMs alone, cuBLAS: layers {cublas_ms:.3f} ms + lm_head {lm_ms:.3f} ms "
+          f"= {cublas_ms + lm_ms:.3f} ms")
+    print(f"GEMMs alone, {ops.name} ops (norm/SiLU/residual included): layers {fused_ms:.3f} ms + lm_head "
+          f"{lm_fused_ms:.3f} ms = {fused_ms + lm_fused_ms:.3f} ms")
     return result
 
 
@@ -265,9 +283,6 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--check", action="store_true", help="compare greedy outputs across modes first")
     parser.add_argument("--no-bench", action="store_true")
-    parser.add_argument(
-        "--gemv-sweep", action="store_true", help="decode GEMM shapes: cuBLAS vs Triton tiles"
-    )
     parser.add_argument("--profile", action="store_true", help="kernel table of the batch-1 step graph")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")

@@ -1,7 +1,8 @@
 """Dense Qwen3 decoder as plain tensors and functions (no nn.Module): easy to load and to capture.
 
 Fast-path layout: q/k/v projections fused into one `qkv` weight and gate/up into one `gate_up` weight, so a
-layer is 4 GEMMs (qkv, o, gate_up, down) plus the fused kernels of `reference_engine.kernels`.
+layer is 4 GEMMs (qkv, o, gate_up, down), each carrying the norm, SiLU or residual add next to it, plus the
+attention kernels of `reference_engine.kernels`.
 
 Two attention paths share every other op:
 - prefill: each sequence's whole prompt at once; k/v are written to the paged cache and attention runs with
@@ -128,39 +129,43 @@ class Qwen3Model:
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states [T, H] after the final norm (prefill: all prompts' tokens concatenated)."""
+        """The residual stream [T, H] after the last layer, before the final norm (prefill: all prompts'
+        tokens concatenated). `compute_logits` applies the final norm, so callers can pick rows first.
+
+        Each norm is folded into the projection that reads it and each residual add into the projection that
+        writes it (kernels' norm_linear / norm_gate_up_silu / linear_residual): a decode layer is the four
+        weight reads plus the attention kernels.
+        """
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         x = self.embed[input_ids]
-        residual = x
-        h = ops.rmsnorm(x, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            if index > 0:
-                h, residual = ops.fused_add_rmsnorm(x, residual, layer.input_norm, eps)
             k_cache, v_cache = kv_caches[index]
-            attn = self._attention(layer, h, positions, k_cache, v_cache, meta)
-            attn = F.linear(attn, layer.o_proj)
-            h, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_norm, eps)
-            x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
-        h, _ = ops.fused_add_rmsnorm(x, residual, self.final_norm, eps)
-        return h
+            attn = self._attention(layer, x, positions, k_cache, v_cache, meta)
+            x = ops.linear_residual(attn, layer.o_proj, x)
+            act = ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps)
+            x = ops.linear_residual(act, layer.down, x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, V] (the sampler's softmax and argmax run in fp32)."""
-        return F.linear(hidden, self.lm_head).float()
+        """fp32 logits [T, V] of `forward`'s rows (the sampler's softmax and argmax run in fp32)."""
+        return self.ops.norm_linear(
+            hidden, self.final_norm, self.lm_head, self.config.rms_norm_eps, out_dtype=torch.float32
+        )
 
     def _attention(
         self,
         layer: LayerWeights,
-        h: torch.Tensor,
+        x: torch.Tensor,
         positions: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """Attention of the residual stream x (normed here, inside the qkv projection)."""
         cfg = self.config
-        tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv)
+        tokens = x.shape[0]
+        qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps)
         if layer.q_norm is not None:
             q, k, v = self.ops.qk_norm_rope_cache(
                 qkv,

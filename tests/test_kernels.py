@@ -184,3 +184,63 @@ def test_unknown_kernels_name():
     with pytest.raises(ValueError, match="unknown kernels 'cuda'"):
         get_kernels("cuda")
     assert get_kernels("torch").name == "torch"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 20])  # 20 > MAX_ROWS: the prefill path (cuBLAS + row kernels)
+def test_decode_linear_ops_match_torch(dtype, rows, gen):
+    """Fused norm/SiLU/residual GEMMs against torch composition; N not a multiple of the tile."""
+    k, n = 96, 40
+    x = randn(rows, k, dtype=dtype, gen=gen)
+    norm_w = randn(k, dtype=dtype, gen=gen)
+    w = randn(2 * n, k, dtype=dtype, gen=gen) * k**-0.5
+    residual = randn(rows, n, dtype=dtype, gen=gen)
+    # bf16: the fused kernel scales by 1/rms after the product instead of rounding the normed input first.
+    atol = 6e-2 if dtype == torch.bfloat16 else None
+    assert_close(TRITON.norm_linear(x, norm_w, w, 1e-6), REF.norm_linear(x, norm_w, w, 1e-6), dtype,
+                 atol=atol)
+    logits = TRITON.norm_linear(x, norm_w, w, 1e-6, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, REF.norm_linear(x, norm_w, w, 1e-6, out_dtype=torch.float32),
+                               **(dict(rtol=2e-2, atol=6e-2) if dtype == torch.bfloat16 else {}))
+    assert_close(TRITON.norm_gate_up_silu(x, norm_w, w, 1e-6), REF.norm_gate_up_silu(x, norm_w, w, 1e-6),
+                 dtype, atol=atol)
+    got = TRITON.linear_residual(x, w[:n], residual)
+    assert_close(got, REF.linear_residual(x, w[:n], residual), dtype)
+    assert got.data_ptr() != residual.data_ptr()  # out of place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_row_fma_path(dtype, gen):
+    """The one-row FMA variant (no tl.dot) computes the same three ops."""
+    from reference_engine.kernels import skinny_gemm
+
+    k, n = 128, 40
+    config = skinny_gemm.GemmConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, fma=True)
+    x = randn(1, k, dtype=dtype, gen=gen)
+    norm_w = randn(k, dtype=dtype, gen=gen)
+    w = randn(2 * n, k, dtype=dtype, gen=gen) * k**-0.5
+    residual = randn(1, n, dtype=dtype, gen=gen)
+    atol = 6e-2 if dtype == torch.bfloat16 else 1e-4
+    assert_close(skinny_gemm.norm_linear(x, norm_w, w, 1e-6, config=config),
+                 REF.norm_linear(x, norm_w, w, 1e-6), dtype, atol=atol)
+    assert_close(skinny_gemm.norm_gate_up_silu(x, norm_w, w, 1e-6, config=config),
+                 REF.norm_gate_up_silu(x, norm_w, w, 1e-6), dtype, atol=atol)
+    assert_close(skinny_gemm.linear_residual(x, w[:n], residual, config=config),
+                 REF.linear_residual(x, w[:n], residual), dtype, atol=atol)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_linear_residual_sums_every_slice(split_k, gen):
+    """Split-K partials are all summed (a missing slice would be off by ~1/split of the product)."""
+    from reference_engine.kernels import skinny_gemm
+
+    k, n = 192, 24
+    x = randn(3, k, dtype=torch.float32, gen=gen)
+    w = randn(n, k, dtype=torch.float32, gen=gen)
+    residual = randn(3, n, dtype=torch.float32, gen=gen)
+    config = skinny_gemm.GemmConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, split_k=split_k)
+    got = skinny_gemm.linear_residual(x, w, residual, config=config)
+    assert_close(got, REF.linear_residual(x, w, residual), torch.float32, atol=1e-4)
+    with pytest.raises(AssertionError, match="not a multiple"):
+        skinny_gemm.linear_residual(x[:, :160].contiguous(), w[:, :160].contiguous(), residual, config=config)

@@ -9,6 +9,11 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
   block_tables int32 [B, max_blocks], seq_lens int32 [B], scale) -> [B, Hq, D]
 - fused_add_rmsnorm(x, residual, weight, eps) -> (normed, new_residual); rmsnorm(x, weight, eps)
 - silu_and_mul(gate_up[..., 2I]) -> [..., I]
+- norm_linear(x, norm_w, w, eps, *, out_dtype=None) -> rmsnorm(x) @ w.T (qkv; LM head with fp32 out)
+- norm_gate_up_silu(x, norm_w, w_gate_up, eps) -> silu_and_mul(rmsnorm(x) @ w_gate_up.T)
+- linear_residual(x, w, residual) -> residual + x @ w.T (o_proj, down)
+  The Triton versions of these three are single decode kernels (skinny_gemm.py) for up to 16 rows, and
+  compose cuBLAS with the Triton row kernels above that (prefill).
 - qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache, slot_mapping,
   *, num_q_heads, num_kv_heads, eps) -> (q, k, v): Qwen3's attention prologue; cos/sin from rope_cos_sin().
 
@@ -34,6 +39,9 @@ class Kernels:
     rmsnorm: Callable
     silu_and_mul: Callable
     qk_norm_rope_cache: Callable
+    norm_linear: Callable
+    norm_gate_up_silu: Callable
+    linear_residual: Callable
 
 
 def get_kernels(name: str) -> Kernels:
@@ -41,7 +49,7 @@ def get_kernels(name: str) -> Kernels:
     if name == "torch":
         impl = torch_ref
     elif name == "triton":
-        from reference_engine.kernels import attention, elementwise, rope
+        from reference_engine.kernels import attention, decode_linear, elementwise, rope
 
         return Kernels(
             name="triton",
@@ -50,6 +58,9 @@ def get_kernels(name: str) -> Kernels:
             rmsnorm=elementwise.rmsnorm,
             silu_and_mul=elementwise.silu_and_mul,
             qk_norm_rope_cache=rope.qk_norm_rope_cache,
+            norm_linear=decode_linear.norm_linear,
+            norm_gate_up_silu=decode_linear.norm_gate_up_silu,
+            linear_residual=decode_linear.linear_residual,
         )
     else:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
@@ -60,6 +71,9 @@ def get_kernels(name: str) -> Kernels:
         rmsnorm=impl.rmsnorm,
         silu_and_mul=impl.silu_and_mul,
         qk_norm_rope_cache=impl.qk_norm_rope_cache,
+        norm_linear=impl.norm_linear,
+        norm_gate_up_silu=impl.norm_gate_up_silu,
+        linear_residual=impl.linear_residual,
     )
 
 

@@ -1,0 +1,37 @@
+"""The Triton kernel set's linear layers: one fused kernel per layer at decode sizes, cuBLAS above them.
+
+At up to skinny_gemm.MAX_ROWS rows (decode steps) each call is a single skinny_gemm launch with its norm,
+SiLU or residual folded in. Larger calls (prefill) are compute-heavy GEMMs where cuBLAS wins, so they run
+F.linear with the Triton row kernels around it. Both paths compute the same function (see torch_ref).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from reference_engine.kernels import elementwise, skinny_gemm
+
+
+def norm_linear(
+    x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if skinny_gemm.supports(x, w):
+        return skinny_gemm.norm_linear(x, norm_w, w, eps, out_dtype=out_dtype)
+    out = F.linear(elementwise.rmsnorm(x, norm_w, eps), w)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def norm_gate_up_silu(
+    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if skinny_gemm.supports(x, w_gate_up):
+        return skinny_gemm.norm_gate_up_silu(x, norm_w, w_gate_up, eps)
+    return elementwise.silu_and_mul(F.linear(elementwise.rmsnorm(x, norm_w, eps), w_gate_up))
+
+
+def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    if skinny_gemm.supports(x, w):
+        return skinny_gemm.linear_residual(x, w, residual)
+    return F.linear(x, w) + residual

@@ -1,0 +1,258 @@
+"""Decode GEMMs (a few rows times a weight matrix) with the layer's small ops folded in.
+
+A decode step at batch <= 16 is a chain of matrix-vector products: each reads its weight once from HBM and
+does almost no arithmetic, so it should run at copy bandwidth. cuBLAS picks split-K GEMV kernels for these
+shapes that reach ~3.0 TB/s on an H200 (4.28 TB/s copy), and every RMSNorm, residual add and SwiGLU around
+them is another launch. Here one kernel does the product and its neighbours:
+
+- `norm_linear(x, norm_w, w)`: rmsnorm(x) @ w.T. The per-row 1/rms is a scalar, so the kernel multiplies
+  x by the norm weight while it streams K, sums x^2 on the way, and scales the product at the end: the
+  norm costs no extra pass. Used for qkv (input norm) and the LM head (final norm, fp32 logits).
+- `norm_gate_up_silu(x, norm_w, w_gate_up)`: silu(rmsnorm(x) @ gate.T) * (rmsnorm(x) @ up.T); each program
+  reads the gate rows and the matching up rows, so the [2I] intermediate is never written.
+- `linear_residual(x, w, residual)`: residual + x @ w.T, the residual stream update (o_proj, down).
+
+Each program owns BLOCK_N output columns for all rows and walks the whole of K (or, for linear_residual
+with split_k > 1, one slice of K, summed in a fixed order by a small reduce launch): results never depend
+on timing, so eager and graphed steps give the same bits. The row block is
+padded to 16 for tl.dot (the MMA tile); rows past M are masked, which costs registers, not bandwidth.
+Configs per shape come from `choose_config`, tuned on an H200 with benchmarks/skinny_gemm_sweep.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # beyond this a step is prefill-like and cuBLAS is the better GEMM
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_PDL: dict[str, bool] = {}
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch: Hopper+ only, never under the interpreter; REFERENCE_ENGINE_PDL=0
+    turns it off. Decided once per process (a launch must not pay a device query)."""
+    if "on" not in _PDL:
+        wanted = os.environ.get("REFERENCE_ENGINE_PDL", "1") == "1" and not _INTERPRETED
+        _PDL["on"] = wanted and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return _PDL["on"]
+
+
+def set_pdl(on: bool) -> None:
+    """Force PDL on or off (benchmarks compare both in one run)."""
+    _PDL["on"] = on and not _INTERPRETED
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # linear_residual only: K in this many slices, summed by a second (reduce) launch
+    fma: bool = False  # one row only: FMA on a [block_n, block_k] register tile instead of tl.dot
+    prefetch_k: int = 0  # columns of each weight row sent to L2 before waiting on the previous kernel (PDL)
+
+
+def choose_config(n: int, k: int, rows: int) -> GemmConfig:
+    """Tile sizes for an N x K weight (see the module docstring for where they come from)."""
+    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    return GemmConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _prefetch_rows_to_l2(row_ptrs, nbytes):
+    """Ask L2 to fetch `nbytes` from each row start (Hopper bulk prefetch; no registers, no waiting)."""
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;",
+        "=r,l,r", [row_ptrs, tl.full(row_ptrs.shape, nbytes, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr,
+    M, N, K, up_offset, eps,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    FMA: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Output tile is [BLOCK_N, BLOCK_M] (columns x rows): the weight tile is the MMA's A operand in its
+    # natural K-contiguous layout and the few activation rows are the narrow B operand ("swap AB").
+    pid = tl.program_id(0)
+    k_len = K // SPLIT_K  # SPLIT_K > 1: out_ptr is a [SPLIT_K, BLOCK_M, N] fp32 partial buffer
+    k_start = tl.program_id(1) * k_len
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
+    if USE_PDL:
+        # Weights never depend on the previous kernel: start pulling them into L2 while it finishes.
+        if PREFETCH_K > 0:
+            _prefetch_rows_to_l2(w_rows, PREFETCH_K * 2)
+            if SILU_MUL:
+                _prefetch_rows_to_l2(w_rows + up_offset * stride_wn, PREFETCH_K * 2)
+        tl.extra.cuda.gdc_wait()  # the activations (and residual) are the previous kernels' outputs
+        tl.extra.cuda.gdc_launch_dependents()
+    w_ptrs = w_rows[:, None] + rk[None, :]
+    xt_ptrs = x_ptr + rm[None, :] * stride_xm + k_start + rk[:, None]  # [BLOCK_K, BLOCK_M]
+    if FMA:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, k_len, BLOCK_K):  # callers guarantee k_len % BLOCK_K == 0
+        xt = tl.load(xt_ptrs, mask=m_mask[None, :], other=0.0)
+        if NORM:
+            xf = xt.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=0)
+            xt = (xf * tl.load(norm_ptr + k + rk).to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptrs)
+        if FMA:  # BLOCK_M == 1: xt is [BLOCK_K, 1]
+            xrow = tl.reshape(xt, (1, BLOCK_K)).to(tl.float32)
+            acc2 += w.to(tl.float32) * xrow
+            if SILU_MUL:
+                acc2_up += tl.load(w_ptrs + up_offset * stride_wn).to(tl.float32) * xrow
+        else:
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(w, xt, acc)
+            if SILU_MUL:
+                w_up = tl.load(w_ptrs + up_offset * stride_wn)
+                if DOT_FP32:
+                    acc_up = tl.dot(w_up.to(tl.float32), xt.to(tl.float32), acc_up, input_precision=PRECISION)
+                else:
+                    acc_up = tl.dot(w_up, xt, acc_up)
+        xt_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if FMA:
+        acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
+        acc_up = tl.reshape(tl.sum(acc2_up, axis=1), (BLOCK_N, 1))
+    if NORM:
+        inv_rms = tl.rsqrt(sum_sq / K + eps)
+        acc = acc * inv_rms[None, :]
+        acc_up = acc_up * inv_rms[None, :]
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K > 1:
+        part = out_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None]
+        tl.store(part, acc, mask=out_mask)
+        return
+    if RESIDUAL:
+        res = tl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=out_mask, other=0.0)
+        acc += res.to(tl.float32)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr, res_ptr, out_ptr, N, stride_rm, stride_om,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = rn < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(SPLIT_K):  # fixed order: the sum does not depend on which split finished first
+        acc += tl.load(part_ptr + (s * BLOCK_M + row) * N + rn, mask=mask, other=0.0)
+    acc += tl.load(res_ptr + row * stride_rm + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the fused kernel takes this call (else callers compose torch ops)."""
+    rows = x.numel() // x.shape[-1]
+    return 0 < rows <= MAX_ROWS and x.shape[-1] % 32 == 0 and w.stride(-1) == 1
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    n: int,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    up_offset: int = 0,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    use_pdl = pdl_enabled() and x.is_cuda
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows, k = flat.shape
+    assert rows <= MAX_ROWS and w.shape[1] == k and w.stride(-1) == 1
+    cfg = config or choose_config(n, k, rows)
+    split = cfg.split_k if residual is not None else 1
+    assert k % (cfg.block_k * split) == 0, f"K={k} is not a multiple of block_k={cfg.block_k} x {split}"
+    fma = cfg.fma and rows == 1
+    block_m = 1 if fma else MAX_ROWS
+    res = residual.reshape(rows, n) if residual is not None else out
+    fp32 = x.dtype == torch.float32
+    target = out
+    if split > 1:
+        target = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
+    pdl = {"launch_pdl": True} if use_pdl else {}
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        flat, w, target, res, norm_w if norm_w is not None else w,
+        rows, n, k, up_offset, eps,
+        flat.stride(0), w.stride(0), out.stride(0), res.stride(0),
+        NORM=norm_w is not None, SILU_MUL=up_offset > 0, RESIDUAL=residual is not None, SPLIT_K=split,
+        FMA=fma, USE_PDL=use_pdl, PREFETCH_K=min(cfg.prefetch_k, k // split) if use_pdl else 0,
+        # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
+        DOT_FP32=fp32 or _INTERPRETED, PRECISION="ieee" if fp32 or _INTERPRETED else "tf32",
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+    )
+    if split > 1:
+        _split_reduce_kernel[(rows, triton.cdiv(n, 1024))](
+            target, res, out, n, res.stride(0), out.stride(0),
+            SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=1024, USE_PDL=use_pdl, num_warps=4, **pdl,
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def norm_linear(
+    x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
+    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """rmsnorm(x, norm_w) @ w.T, in out_dtype (default x's)."""
+    n = w.shape[0]
+    out = torch.empty(x.numel() // x.shape[-1], n, dtype=out_dtype or x.dtype, device=x.device)
+    return _launch(x, w, out, n=n, norm_w=norm_w, eps=eps, config=config)
+
+
+def norm_gate_up_silu(
+    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float, *,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """silu(h @ gate.T) * (h @ up.T) with h = rmsnorm(x, norm_w) and w_gate_up = [gate; up] ([2I, K])."""
+    n = w_gate_up.shape[0] // 2
+    out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
+    return _launch(x, w_gate_up, out, n=n, norm_w=norm_w, eps=eps, up_offset=n, config=config)
+
+
+def linear_residual(
+    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """residual + x @ w.T (a new tensor; the residual is read, not written)."""
+    n = w.shape[0]
+    out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
+    return _launch(x, w, out, n=n, residual=residual, config=config)
