@@ -48,11 +48,6 @@ def configs(op: str) -> list[sg.GemmConfig]:
     return out
 
 
-def prefetch_cols(n: int, k: int, op: str, budget: float = 12e6) -> int:
-    """Columns per weight row to prefetch so the whole kernel sends ~budget bytes to L2 ahead of time."""
-    return max(0, min(k, int(budget / (n * 2)) // 64 * 64))  # n: weight rows (gate and up together)
-
-
 def make_call(op: str, x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, res: torch.Tensor, cfg):
     if op == "norm":
         return lambda: sg.norm_linear(x, norm, w, 1e-6, config=cfg)
@@ -146,7 +141,11 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
     norm = torch.rand(HIDDEN, **bf) + 0.5
     x0 = torch.randn(rows, HIDDEN, **bf)
     attn = torch.randn(rows, 4096, **bf) * 0.1
-    cfg = {name: best.get((name, rows)) for name in SHAPES}
+    cfg = {name: best.get((name, rows)) if best else None for name in SHAPES}
+    plans = [{"qkv": sg.make_prefetch(w["o+residual"], 32e6),
+              "o": sg.make_prefetch(w["gate_up+norm+silu"], 12e6),
+              "gate_up": sg.make_prefetch(w["down+residual"], 12e6),
+              "down": sg.make_prefetch(ws[(i + 1) % layers]["qkv+norm"], 12e6)} for i, w in enumerate(ws)]
 
     def unfused() -> None:
         x = x0
@@ -160,17 +159,21 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
 
     def fused() -> torch.Tensor:
         x = x0
-        for w in ws:
-            sg.norm_linear(x, norm, w["qkv+norm"], 1e-6, config=cfg["qkv+norm"])
-            x = sg.linear_residual(attn, w["o+residual"], x, config=cfg["o+residual"])
-            act = sg.norm_gate_up_silu(x, norm, w["gate_up+norm+silu"], 1e-6, config=cfg["gate_up+norm+silu"])
-            x = sg.linear_residual(act, w["down+residual"], x, config=cfg["down+residual"])
+        for w, pf in zip(ws, plans, strict=True):
+            sg.norm_linear(x, norm, w["qkv+norm"], 1e-6, config=cfg["qkv+norm"], prefetch=pf["qkv"])
+            x = sg.linear_residual(attn, w["o+residual"], x, config=cfg["o+residual"], prefetch=pf["o"])
+            act = sg.norm_gate_up_silu(x, norm, w["gate_up+norm+silu"], 1e-6, config=cfg["gate_up+norm+silu"],
+                                       prefetch=pf["gate_up"])
+            x = sg.linear_residual(act, w["down+residual"], x, config=cfg["down+residual"],
+                                   prefetch=pf["down"])
         return x
 
     # PDL must not change a bit: a missing wait would read a stale residual somewhere in 144 launches.
     sg.set_pdl(False)
+    sg.set_prefetch(False)
     plain = fused()
     sg.set_pdl(True)
+    sg.set_prefetch(True)
     graph = torch.cuda.CUDAGraph()
     fused()
     with torch.cuda.graph(graph):
@@ -183,10 +186,10 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
     del graph
 
     out = {"cublas_ms": time_chain([unfused], replays=10) / 1e3}
-    sg.set_pdl(False)
-    out["fused_ms"] = time_chain([fused], replays=10) / 1e3
-    sg.set_pdl(True)
-    out["fused_pdl_ms"] = time_chain([fused], replays=10) / 1e3
+    for pdl, prefetch in ((False, False), (True, False), (False, True), (True, True)):
+        sg.set_pdl(pdl)
+        sg.set_prefetch(prefetch)
+        out[f"fused{'_pdl' * pdl}{'_prefetch' * prefetch}_ms"] = time_chain([fused], replays=10) / 1e3
     weight_bytes = sum(t.numel() * 2 for w in ws for t in w.values())
     out["floor_ms"] = weight_bytes / 4.25e12 * 1e3
     out["pdl_graph_bit_identical"] = float(all(same))
@@ -199,11 +202,14 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--chain-only", action="store_true", help="only the layer chain, default configs")
+    parser.add_argument("--chain-best", action="store_true", help="the layer chain with the sweep's best")
     args = parser.parse_args()
     torch.manual_seed(0)
-    precompile([(op, k, cfg) for n, k, op in SHAPES.values() for cfg in configs(op)])
+    if not args.chain_only:
+        precompile([(op, k, cfg) for n, k, op in SHAPES.values() for cfg in configs(op)])
     results, best = [], {}
-    for name, (n, k, op) in SHAPES.items():
+    for name, (n, k, op) in SHAPES.items() if not args.chain_only else ():
         bytes_per = n * k * 2
         copies = max(1, int(CHAIN_BYTES // bytes_per))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
@@ -232,12 +238,8 @@ def main() -> None:
             sg.set_pdl(True)
             pdl_scores = []
             for _, cfg in scores[:3]:
-                for pf in (0, prefetch_cols(n, k, op)):
-                    pcfg = dataclasses.replace(cfg, prefetch_k=pf)
-                    try:
-                        pdl_scores.append((timed(pcfg), pcfg))
-                    except Exception as exc:
-                        print(f"  pdl skip {pcfg}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                pcfg = dataclasses.replace(cfg, pdl=True)
+                pdl_scores.append((timed(pcfg), pcfg))
             pdl_scores.sort(key=lambda t: t[0])
             best_us, best_cfg = scores[0]
             pdl_us, pdl_cfg = pdl_scores[0] if pdl_scores else (float("nan"), None)
@@ -260,7 +262,7 @@ def main() -> None:
                   f"err {err:.1e}/{err1:.1e}/{best_err:.1e}/{pdl_err:.1e}", flush=True)
         del weights
         torch.cuda.empty_cache()
-    chains = {rows: layer_chain(best, rows) for rows in args.rows}
+    chains = {rows: layer_chain(best if args.chain_best else {}, rows) for rows in args.rows}
     for rows, c in chains.items():
         print(f"layer chain x36 M={rows}: " + ", ".join(f"{k} {v:.3f}" for k, v in c.items()), flush=True)
     if args.json:

@@ -37,6 +37,7 @@ RAW_STEP_COLUMNS = [
     "pid",
     "thread",
 ]
+_STR = pd.api.types.pandas_dtype("str")  # what dtype="str" means in this pandas
 # Columns the analyzer keeps beside the contract columns (whatif.py and mode detection need them).
 _INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline"]
 # GPU work that ends this long after its step's end counts as "still running when the step ended" (async).
@@ -56,17 +57,18 @@ def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
     a million steps never go through string joins.
     """
     raw = run.steps
-    pid_codes, pids = pd.factorize(raw["pid"].to_numpy())
-    thread_codes, threads = pd.factorize(raw["thread"])
+    heads = _run_heads(raw)
+    pid_codes, pids = pd.factorize(raw["pid"].to_numpy()[heads])
+    thread_codes, threads = pd.factorize(raw["thread"].iloc[heads])
     pids, threads = pd.Index(pids), pd.Index(threads)
-    code = (pid_codes * len(threads) + thread_codes).astype("int64")
+    code = _expand(heads, pid_codes * len(threads) + thread_codes, len(raw))
     order = np.lexsort((raw["start_ns"].to_numpy(), code))
     if np.any(order[1:] < order[:-1]):  # not already in order
         raw, code = raw.take(order), code[order]
     df = raw.reset_index(drop=True)
     out = pd.DataFrame(
         {
-            "run_id": pd.Series(run.run_id, index=df.index, dtype="str"),
+            "run_id": constant_str(run.run_id, len(df)),
             "pid": df["pid"].astype("int64"),
             "thread": df["thread"] if df["thread"].dtype == "str" else df["thread"].astype("str"),
             "step": df["step"].astype("int64"),
@@ -112,13 +114,43 @@ def drop_warmup(df: pd.DataFrame, warmup_steps: int) -> pd.DataFrame:
     return df[rank >= warmup_steps]
 
 
+def _run_heads(frame: pd.DataFrame) -> np.ndarray:
+    """First row of every run of consecutive rows with the same (pid, thread).
+
+    load_run yields each recorder's rows as one block (one spool file each), so a million rows are a handful
+    of runs: finding them takes two vectorised comparisons with the previous row, and only the heads need
+    hashing, instead of a hash lookup per row of a string column. Any order is still correct, only slower.
+    """
+    n = len(frame)
+    if n == 0:
+        return np.zeros(0, "int64")
+    pid = frame["pid"].to_numpy()
+    thread = frame["thread"].array
+    changed = (pid[1:] != pid[:-1]) | np.asarray(thread[1:] != thread[:-1], dtype=bool)
+    return np.concatenate([[0], np.flatnonzero(changed) + 1])
+
+
+def _expand(heads: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per row: the value of the run it belongs to (runs start at `heads`)."""
+    return np.repeat(np.asarray(values, dtype="int64"), np.diff(np.append(heads, n)))
+
+
 def _timeline_codes(frame: pd.DataFrame, pids: pd.Index, threads: pd.Index) -> np.ndarray:
     """Integer code of each row's (pid, thread); -1 for a recorder that has no steps."""
-    # factorize first: looking up a few distinct names beats a hash lookup per row of a string column
-    p_codes, p_names = pd.factorize(frame["pid"].to_numpy())
-    t_codes, t_names = pd.factorize(frame["thread"])
-    p, t = pids.get_indexer(p_names)[p_codes], threads.get_indexer(t_names)[t_codes]
-    return np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1).astype("int64")
+    heads = _run_heads(frame)
+    p = pids.get_indexer(frame["pid"].to_numpy()[heads])
+    t = threads.get_indexer(frame["thread"].iloc[heads])
+    return _expand(heads, np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1), len(frame))
+
+
+def constant_str(value: str, n: int) -> pd.Series:
+    """`n` times `value` as dtype "str", built by Arrow when "str" is Arrow-backed (pandas >= 3): the plain
+    pd.Series(value, index=..., dtype="str") goes through n Python objects (~0.1 s per million rows)."""
+    if not isinstance(_STR, pd.StringDtype):  # older pandas: "str" means object strings
+        return pd.Series(value, index=pd.RangeIndex(n), dtype="str")
+    import pyarrow as pa
+
+    return pd.Series(pd.array(pa.repeat(pa.scalar(value, pa.large_string()), n), dtype=_STR))
 
 
 def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, threads: pd.Index):

@@ -194,13 +194,14 @@ def load_run(path: str | os.PathLike) -> Run:
     meta = read_meta(run_path)
     warnings: list[str] = []
     processes = _read_processes(spool_dir, warnings) if spool_dir.is_dir() else []
+    frames: dict[str, pd.DataFrame] = {}
     try:
-        steps = read_table(spool_dir, "steps", warnings)
-        spans = read_table(spool_dir, "spans", warnings)
-        gpu = read_table(spool_dir, "gpu", warnings)
+        for table in ("steps", "spans", "gpu"):
+            # One table at a time: its Arrow copy is freed before the next one is read (peak memory).
+            frames[table] = _to_pandas(read_table(spool_dir, table, warnings))
     except (OSError, pa.ArrowException) as e:
         raise RunDirError(f"cannot read spool of {run_path}: {e}") from None
-    if steps.num_rows == 0:
+    if len(frames["steps"]) == 0:
         detail = f" ({warnings[0]})" if warnings else ""
         raise RunDirError(f"no steps recorded in {run_path}{detail}")
     client = None
@@ -215,9 +216,9 @@ def load_run(path: str | os.PathLike) -> Run:
         run_id=run_path.resolve().name,
         meta=meta,
         processes=processes,
-        steps=_to_pandas(steps),
-        spans=_to_pandas(spans),
-        gpu=_to_pandas(gpu),
+        steps=frames["steps"],
+        spans=frames["spans"],
+        gpu=frames["gpu"],
         client=client,
         warnings=warnings,
     )

@@ -21,6 +21,7 @@ Configs per shape come from `choose_config`, tuned on an H200 with benchmarks/sk
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -47,6 +48,17 @@ def set_pdl(on: bool) -> None:
     _PDL["on"] = on and not _INTERPRETED
 
 
+def prefetch_enabled() -> bool:
+    """L2 prefetch of the next weight (a PTX hint, so CUDA only); REFERENCE_ENGINE_PREFETCH=0 turns it off."""
+    if "prefetch" not in _PDL:
+        _PDL["prefetch"] = os.environ.get("REFERENCE_ENGINE_PREFETCH", "1") == "1" and not _INTERPRETED
+    return _PDL["prefetch"]
+
+
+def set_prefetch(on: bool) -> None:
+    _PDL["prefetch"] = on and not _INTERPRETED
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_n: int
@@ -55,32 +67,87 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1  # linear_residual only: K in this many slices, summed by a second (reduce) launch
     fma: bool = False  # one row only: FMA on a [block_n, block_k] register tile instead of tl.dot
-    prefetch_k: int = 0  # columns of each weight row sent to L2 before waiting on the previous kernel (PDL)
+    pdl: bool = False  # programmatic dependent launch: start while the previous kernel drains
 
 
-def choose_config(n: int, k: int, rows: int) -> GemmConfig:
-    """Tile sizes for an N x K weight (see the module docstring for where they come from)."""
-    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-    return GemmConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
+def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfig:
+    """Tiles per shape, from the H200 sweep (benchmarks/skinny_gemm_sweep.py, qwen3-4b, docs/benchmarks.md).
+
+    One row: an FMA tile streams long K runs best (o_proj 7.5 us vs cuBLAS 10.2; down 15.0 vs 17.6). More
+    rows: the swap-AB MMA tile; narrow-N products (o_proj, down) split K in two so 80 column blocks still
+    fill 132 SMs. PDL helped the narrow products by ~0.5-1 us and slowed the wide SiLU one (28.5 -> 32.3 us,
+    its big shared-memory tiles block the early-launched next kernel), so it is on only where it helped.
+    """
+    if silu:
+        cfg = GemmConfig(128, 128, 8, 3)
+    elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
+        cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
+    elif rows == 1:
+        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True) if k >= 8192
+               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True) if k >= 4096
+               else GemmConfig(16, 512, 4, 3, fma=True, pdl=True))
+    elif n <= 4096:
+        cfg = GemmConfig(64, 128, 4, 5, split_k=2, pdl=True)
+    else:
+        cfg = GemmConfig(64, 256, 4, 4, pdl=True)
+    return _fit(cfg, k)
+
+
+def _fit(cfg: GemmConfig, k: int) -> GemmConfig:
+    """Shrink block_k (then drop split-K) until the tiles divide K: small models (tests) have K of 64."""
+    split, block_k = cfg.split_k, cfg.block_k
+    while split > 1 and k % (block_k * split):
+        split //= 2
+    while block_k > 16 and k % (block_k * split):
+        block_k //= 2
+    return dataclasses.replace(cfg, block_k=block_k, split_k=split)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """The next weight to warm in L2 as each program finishes: the first `cols` columns of every row."""
+
+    weight: torch.Tensor
+    cols: int
+
+
+def make_prefetch(weight: torch.Tensor, max_bytes: float) -> Prefetch | None:
+    """A hint to warm up to max_bytes of `weight` (the same column prefix of every row, so every program
+    of the next kernel starts on L2 hits), or None where there is nothing useful to do."""
+    if not weight.is_cuda or weight.stride(-1) != 1 or _INTERPRETED:
+        return None
+    cols = min(weight.shape[1], int(max_bytes / (weight.shape[0] * weight.element_size())) // 64 * 64)
+    return Prefetch(weight, cols) if cols > 0 else None
 
 
 @triton.jit
-def _prefetch_rows_to_l2(row_ptrs, nbytes):
-    """Ask L2 to fetch `nbytes` from each row start (Hopper bulk prefetch; no registers, no waiting)."""
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;",
-        "=r,l,r", [row_ptrs, tl.full(row_ptrs.shape, nbytes, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )
+def _prefetch_next_weight(next_ptr, next_rows, next_k, pf_lines, LINES: tl.constexpr):
+    """This program's share of the next weight's row prefixes, one 128-byte L2 prefetch per thread.
+
+    Issued after the main loop, so the bytes stream while the slowest programs of this kernel finish and
+    the next kernel launches: HBM time that would otherwise be idle. One line per element of a LINES-long
+    tensor (LINES = threads) keeps Triton from replicating the asm across threads.
+    """
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    me = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    total = next_rows * pf_lines
+    share = tl.cdiv(total, programs)
+    for off in range(0, share, LINES):
+        line = tl.minimum(me * share + off + tl.arange(0, LINES), total - 1)
+        ptrs = next_ptr + (line // pf_lines).to(tl.int64) * next_k + (line % pf_lines) * 64
+        tl.inline_asm_elementwise(
+            "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr,
-    M, N, K, up_offset, eps,
+    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, next_ptr,
+    M, N, K, up_offset, eps, next_rows, next_k, pf_lines,
     stride_xm, stride_wn, stride_om, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-    FMA: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    FMA: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_NEXT: tl.constexpr, LINES: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -96,11 +163,6 @@ def _skinny_gemm_kernel(
     n_mask = rn < N
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
     if USE_PDL:
-        # Weights never depend on the previous kernel: start pulling them into L2 while it finishes.
-        if PREFETCH_K > 0:
-            _prefetch_rows_to_l2(w_rows, PREFETCH_K * 2)
-            if SILU_MUL:
-                _prefetch_rows_to_l2(w_rows + up_offset * stride_wn, PREFETCH_K * 2)
         tl.extra.cuda.gdc_wait()  # the activations (and residual) are the previous kernels' outputs
         tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_rows[:, None] + rk[None, :]
@@ -137,6 +199,8 @@ def _skinny_gemm_kernel(
                     acc_up = tl.dot(w_up, xt, acc_up)
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if PREFETCH_NEXT:
+        _prefetch_next_weight(next_ptr, next_rows, next_k, pf_lines, LINES)
     if FMA:
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
         acc_up = tl.reshape(tl.sum(acc2_up, axis=1), (BLOCK_N, 1))
@@ -192,14 +256,17 @@ def _launch(
     residual: torch.Tensor | None = None,
     up_offset: int = 0,
     config: GemmConfig | None = None,
+    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
-    use_pdl = pdl_enabled() and x.is_cuda
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows, k = flat.shape
     assert rows <= MAX_ROWS and w.shape[1] == k and w.stride(-1) == 1
-    cfg = config or choose_config(n, k, rows)
+    cfg = config or choose_config(n, k, rows, silu=up_offset > 0)
+    use_pdl = cfg.pdl and pdl_enabled() and x.is_cuda
+    prefetch = prefetch if prefetch is not None and prefetch_enabled() and x.is_cuda else None
+    nxt = prefetch.weight if prefetch is not None else w
     split = cfg.split_k if residual is not None else 1
     assert k % (cfg.block_k * split) == 0, f"K={k} is not a multiple of block_k={cfg.block_k} x {split}"
     fma = cfg.fma and rows == 1
@@ -211,11 +278,12 @@ def _launch(
         target = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
     pdl = {"launch_pdl": True} if use_pdl else {}
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        flat, w, target, res, norm_w if norm_w is not None else w,
+        flat, w, target, res, norm_w if norm_w is not None else w, nxt,
         rows, n, k, up_offset, eps,
+        nxt.shape[0], nxt.stride(0), triton.cdiv(prefetch.cols, 64) if prefetch else 0,
         flat.stride(0), w.stride(0), out.stride(0), res.stride(0),
         NORM=norm_w is not None, SILU_MUL=up_offset > 0, RESIDUAL=residual is not None, SPLIT_K=split,
-        FMA=fma, USE_PDL=use_pdl, PREFETCH_K=min(cfg.prefetch_k, k // split) if use_pdl else 0,
+        FMA=fma, USE_PDL=use_pdl, PREFETCH_NEXT=prefetch is not None, LINES=32 * cfg.num_warps,
         # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
         DOT_FP32=fp32 or _INTERPRETED, PRECISION="ieee" if fp32 or _INTERPRETED else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -231,28 +299,30 @@ def _launch(
 
 def norm_linear(
     x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
-    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None, prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """rmsnorm(x, norm_w) @ w.T, in out_dtype (default x's)."""
     n = w.shape[0]
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=out_dtype or x.dtype, device=x.device)
-    return _launch(x, w, out, n=n, norm_w=norm_w, eps=eps, config=config)
+    return _launch(x, w, out, n=n, norm_w=norm_w, eps=eps, config=config, prefetch=prefetch)
 
 
 def norm_gate_up_silu(
     x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float, *,
-    config: GemmConfig | None = None,
+    config: GemmConfig | None = None, prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """silu(h @ gate.T) * (h @ up.T) with h = rmsnorm(x, norm_w) and w_gate_up = [gate; up] ([2I, K])."""
     n = w_gate_up.shape[0] // 2
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w_gate_up, out, n=n, norm_w=norm_w, eps=eps, up_offset=n, config=config)
+    return _launch(x, w_gate_up, out, n=n, norm_w=norm_w, eps=eps, up_offset=n, config=config,
+                   prefetch=prefetch)
 
 
 def linear_residual(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, config: GemmConfig | None = None
+    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *,
+    config: GemmConfig | None = None, prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """residual + x @ w.T (a new tensor; the residual is read, not written)."""
     n = w.shape[0]
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w, out, n=n, residual=residual, config=config)
+    return _launch(x, w, out, n=n, residual=residual, config=config, prefetch=prefetch)
