@@ -117,37 +117,31 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) 
         print(f"  {us / 1e3:7.3f} ms  x{count:4.0f}  {name}")
     del engine
 
-    def timed(fn, reps: int = 50) -> float:
-        fn()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        sync()
-        return begin.elapsed_time(end) / reps
+    import triton.testing
+
+    def graph_ms(fn) -> float:  # GPU time under CUDA-graph replay, as in the step graph
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
     x = torch.randn(1, base.hidden_size, device="cuda", dtype=model.dtype)
-    layer, ops, eps = model.layers[0], model.ops, base.rms_norm_eps
+    ops, eps, layers = model.ops, base.rms_norm_eps, model.layers
     act = torch.randn(1, base.intermediate_size, device="cuda", dtype=model.dtype)
     att = torch.randn(1, base.num_heads * base.head_dim, device="cuda", dtype=model.dtype)
     linear = torch.nn.functional.linear
-    # One layer's weights timed alone, x num_layers (qkv and o_proj fit in the L2 here: a lower bound).
-    cublas_ms = base.num_layers * sum(
-        timed(lambda w=w, i=i: linear(i, w))
-        for w, i in ((layer.qkv, x), (layer.o_proj, att), (layer.gate_up, x), (layer.down, act))
-    )
-    fused_ms = base.num_layers * sum(
-        timed(fn)
-        for fn in (
-            lambda: ops.norm_linear(x, layer.input_norm, layer.qkv, eps),
-            lambda: ops.linear_residual(att, layer.o_proj, x),
-            lambda: ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps),
-            lambda: ops.linear_residual(act, layer.down, x),
-        )
-    )
-    lm_ms = timed(lambda: linear(x, model.lm_head))
-    lm_fused_ms = timed(
+
+    def cublas_layers() -> None:  # every layer's own weights, so they come from HBM as in a step
+        for layer in layers:
+            linear(x, layer.qkv), linear(att, layer.o_proj), linear(x, layer.gate_up), linear(act, layer.down)
+
+    def fused_layers() -> None:
+        for layer in layers:
+            ops.norm_linear(x, layer.input_norm, layer.qkv, eps)
+            ops.linear_residual(att, layer.o_proj, x)
+            ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps)
+            ops.linear_residual(act, layer.down, x)
+
+    cublas_ms, fused_ms = graph_ms(cublas_layers), graph_ms(fused_layers)
+    lm_ms = graph_ms(lambda: linear(x, model.lm_head))
+    lm_fused_ms = graph_ms(
         lambda: ops.norm_linear(x, model.final_norm, model.lm_head, eps, out_dtype=torch.float32)
     )
     result = {"profile_top": {k: v for k, v in top}, "layer_gemms_ms": cublas_ms, "lm_head_ms": lm_ms,

@@ -142,10 +142,6 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
     x0 = torch.randn(rows, HIDDEN, **bf)
     attn = torch.randn(rows, 4096, **bf) * 0.1
     cfg = {name: best.get((name, rows)) if best else None for name in SHAPES}
-    plans = [{"qkv": sg.make_prefetch(w["o+residual"], 32e6),
-              "o": sg.make_prefetch(w["gate_up+norm+silu"], 12e6),
-              "gate_up": sg.make_prefetch(w["down+residual"], 12e6),
-              "down": sg.make_prefetch(ws[(i + 1) % layers]["qkv+norm"], 12e6)} for i, w in enumerate(ws)]
 
     def unfused() -> None:
         x = x0
@@ -159,21 +155,17 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
 
     def fused() -> torch.Tensor:
         x = x0
-        for w, pf in zip(ws, plans, strict=True):
-            sg.norm_linear(x, norm, w["qkv+norm"], 1e-6, config=cfg["qkv+norm"], prefetch=pf["qkv"])
-            x = sg.linear_residual(attn, w["o+residual"], x, config=cfg["o+residual"], prefetch=pf["o"])
-            act = sg.norm_gate_up_silu(x, norm, w["gate_up+norm+silu"], 1e-6, config=cfg["gate_up+norm+silu"],
-                                       prefetch=pf["gate_up"])
-            x = sg.linear_residual(act, w["down+residual"], x, config=cfg["down+residual"],
-                                   prefetch=pf["down"])
+        for w in ws:
+            sg.norm_linear(x, norm, w["qkv+norm"], 1e-6, config=cfg["qkv+norm"])
+            x = sg.linear_residual(attn, w["o+residual"], x, config=cfg["o+residual"])
+            act = sg.norm_gate_up_silu(x, norm, w["gate_up+norm+silu"], 1e-6, config=cfg["gate_up+norm+silu"])
+            x = sg.linear_residual(act, w["down+residual"], x, config=cfg["down+residual"])
         return x
 
     # PDL must not change a bit: a missing wait would read a stale residual somewhere in 144 launches.
     sg.set_pdl(False)
-    sg.set_prefetch(False)
     plain = fused()
     sg.set_pdl(True)
-    sg.set_prefetch(True)
     graph = torch.cuda.CUDAGraph()
     fused()
     with torch.cuda.graph(graph):
@@ -186,10 +178,9 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
     del graph
 
     out = {"cublas_ms": time_chain([unfused], replays=10) / 1e3}
-    for pdl, prefetch in ((False, False), (True, False), (False, True), (True, True)):
+    for pdl in (False, True):
         sg.set_pdl(pdl)
-        sg.set_prefetch(prefetch)
-        out[f"fused{'_pdl' * pdl}{'_prefetch' * prefetch}_ms"] = time_chain([fused], replays=10) / 1e3
+        out[f"fused{'_pdl' * pdl}_ms"] = time_chain([fused], replays=10) / 1e3
     weight_bytes = sum(t.numel() * 2 for w in ws for t in w.values())
     out["floor_ms"] = weight_bytes / 4.25e12 * 1e3
     out["pdl_graph_bit_identical"] = float(all(same))

@@ -70,7 +70,6 @@ class Qwen3Model:
             config.max_model_len, config.head_dim, config.rope_theta, device=self.device
         )
         self.scale = config.head_dim**-0.5
-        self.prefetch = self._prefetch_plan()
 
     # --- construction
     @classmethod
@@ -115,25 +114,6 @@ class Qwen3Model:
             config, embed=self.embed, layers=self.layers, final_norm=self.final_norm, lm_head=self.lm_head
         )
 
-    def _prefetch_plan(self) -> list[dict[str, object]]:
-        """Per layer, the weight each projection's kernel warms in L2 for the one after it (Triton, CUDA).
-
-        The o_proj weight is warmed whole by the qkv kernel: the attention kernels in between read little, so
-        HBM would otherwise idle there. The others get a ~12 MB column prefix of the next weight, streamed
-        while the current kernel's last programs drain and the next one launches.
-        """
-        hint, budget = self.ops.make_prefetch, 12e6
-        plan = []
-        for index, layer in enumerate(self.layers):
-            following = self.layers[index + 1].qkv if index + 1 < len(self.layers) else self.lm_head
-            plan.append({
-                "qkv": hint(layer.o_proj, 32e6),
-                "o_proj": hint(layer.gate_up, budget),
-                "gate_up": hint(layer.down, budget),
-                "down": hint(following, budget),
-            })
-        return plan
-
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights a decode step streams from memory (the embedding row gather is negligible)."""
         tensors = [self.final_norm, self.lm_head]
@@ -161,11 +141,10 @@ class Qwen3Model:
         x = self.embed[input_ids]
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[index]
-            hints = self.prefetch[index]
-            attn = self._attention(layer, x, positions, k_cache, v_cache, meta, hints["qkv"])
-            x = ops.linear_residual(attn, layer.o_proj, x, prefetch=hints["o_proj"])
-            act = ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps, prefetch=hints["gate_up"])
-            x = ops.linear_residual(act, layer.down, x, prefetch=hints["down"])
+            attn = self._attention(layer, x, positions, k_cache, v_cache, meta)
+            x = ops.linear_residual(attn, layer.o_proj, x)
+            act = ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps)
+            x = ops.linear_residual(act, layer.down, x)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -182,12 +161,11 @@ class Qwen3Model:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        prefetch: object = None,
     ) -> torch.Tensor:
         """Attention of the residual stream x (normed here, inside the qkv projection)."""
         cfg = self.config
         tokens = x.shape[0]
-        qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps, prefetch=prefetch)
+        qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps)
         if layer.q_norm is not None:
             q, k, v = self.ops.qk_norm_rope_cache(
                 qkv,

@@ -13,8 +13,7 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
 - norm_gate_up_silu(x, norm_w, w_gate_up, eps) -> silu_and_mul(rmsnorm(x) @ w_gate_up.T)
 - linear_residual(x, w, residual) -> residual + x @ w.T (o_proj, down)
   The Triton versions of these three are single decode kernels (skinny_gemm.py) for up to 16 rows, and
-  compose cuBLAS with the Triton row kernels above that (prefill). Each takes `prefetch=`, a hint made by
-  make_prefetch(next_weight, max_bytes) naming the weight the next kernel reads (None on the torch path).
+  compose cuBLAS with the Triton row kernels above that (prefill).
 - qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache, slot_mapping,
   *, num_q_heads, num_kv_heads, eps) -> (q, k, v): Qwen3's attention prologue; cos/sin from rope_cos_sin().
 
@@ -43,7 +42,6 @@ class Kernels:
     norm_linear: Callable
     norm_gate_up_silu: Callable
     linear_residual: Callable
-    make_prefetch: Callable
 
 
 def get_kernels(name: str) -> Kernels:
@@ -63,7 +61,6 @@ def get_kernels(name: str) -> Kernels:
             norm_linear=decode_linear.norm_linear,
             norm_gate_up_silu=decode_linear.norm_gate_up_silu,
             linear_residual=decode_linear.linear_residual,
-            make_prefetch=decode_linear.make_prefetch,
         )
     else:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
@@ -77,7 +74,6 @@ def get_kernels(name: str) -> Kernels:
         norm_linear=impl.norm_linear,
         norm_gate_up_silu=impl.norm_gate_up_silu,
         linear_residual=impl.linear_residual,
-        make_prefetch=impl.make_prefetch,
     )
 
 

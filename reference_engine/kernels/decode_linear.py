@@ -11,33 +11,27 @@ import torch
 import torch.nn.functional as F
 
 from reference_engine.kernels import elementwise, skinny_gemm
-from reference_engine.kernels.skinny_gemm import make_prefetch
-
-__all__ = ["linear_residual", "make_prefetch", "norm_gate_up_silu", "norm_linear"]
 
 
 def norm_linear(
     x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
-    out_dtype: torch.dtype | None = None, prefetch: skinny_gemm.Prefetch | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     if skinny_gemm.supports(x, w):
-        return skinny_gemm.norm_linear(x, norm_w, w, eps, out_dtype=out_dtype, prefetch=prefetch)
+        return skinny_gemm.norm_linear(x, norm_w, w, eps, out_dtype=out_dtype)
     out = F.linear(elementwise.rmsnorm(x, norm_w, eps), w)
     return out if out_dtype is None else out.to(out_dtype)
 
 
 def norm_gate_up_silu(
-    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float, *,
-    prefetch: skinny_gemm.Prefetch | None = None,
+    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float
 ) -> torch.Tensor:
     if skinny_gemm.supports(x, w_gate_up):
-        return skinny_gemm.norm_gate_up_silu(x, norm_w, w_gate_up, eps, prefetch=prefetch)
+        return skinny_gemm.norm_gate_up_silu(x, norm_w, w_gate_up, eps)
     return elementwise.silu_and_mul(F.linear(elementwise.rmsnorm(x, norm_w, eps), w_gate_up))
 
 
-def linear_residual(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, prefetch: skinny_gemm.Prefetch | None = None
-) -> torch.Tensor:
+def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     if skinny_gemm.supports(x, w):
-        return skinny_gemm.linear_residual(x, w, residual, prefetch=prefetch)
+        return skinny_gemm.linear_residual(x, w, residual)
     return F.linear(x, w) + residual

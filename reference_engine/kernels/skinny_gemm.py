@@ -48,17 +48,6 @@ def set_pdl(on: bool) -> None:
     _PDL["on"] = on and not _INTERPRETED
 
 
-def prefetch_enabled() -> bool:
-    """L2 prefetch of the next weight (a PTX hint, so CUDA only); REFERENCE_ENGINE_PREFETCH=0 turns it off."""
-    if "prefetch" not in _PDL:
-        _PDL["prefetch"] = os.environ.get("REFERENCE_ENGINE_PREFETCH", "1") == "1" and not _INTERPRETED
-    return _PDL["prefetch"]
-
-
-def set_prefetch(on: bool) -> None:
-    _PDL["prefetch"] = on and not _INTERPRETED
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     block_n: int
@@ -103,51 +92,13 @@ def _fit(cfg: GemmConfig, k: int) -> GemmConfig:
     return dataclasses.replace(cfg, block_k=block_k, split_k=split)
 
 
-@dataclass(frozen=True)
-class Prefetch:
-    """The next weight to warm in L2 as each program finishes: the first `cols` columns of every row."""
-
-    weight: torch.Tensor
-    cols: int
-
-
-def make_prefetch(weight: torch.Tensor, max_bytes: float) -> Prefetch | None:
-    """A hint to warm up to max_bytes of `weight` (the same column prefix of every row, so every program
-    of the next kernel starts on L2 hits), or None where there is nothing useful to do."""
-    if not weight.is_cuda or weight.stride(-1) != 1 or _INTERPRETED:
-        return None
-    cols = min(weight.shape[1], int(max_bytes / (weight.shape[0] * weight.element_size())) // 64 * 64)
-    return Prefetch(weight, cols) if cols > 0 else None
-
-
-@triton.jit
-def _prefetch_next_weight(next_ptr, next_rows, next_k, pf_lines, LINES: tl.constexpr):
-    """This program's share of the next weight's row prefixes, one 128-byte L2 prefetch per thread.
-
-    Issued after the main loop, so the bytes stream while the slowest programs of this kernel finish and
-    the next kernel launches: HBM time that would otherwise be idle. One line per element of a LINES-long
-    tensor (LINES = threads) keeps Triton from replicating the asm across threads.
-    """
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    me = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    total = next_rows * pf_lines
-    share = tl.cdiv(total, programs)
-    for off in range(0, share, LINES):
-        line = tl.minimum(me * share + off + tl.arange(0, LINES), total - 1)
-        ptrs = next_ptr + (line // pf_lines).to(tl.int64) * next_k + (line % pf_lines) * 64
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr, next_ptr,
-    M, N, K, up_offset, eps, next_rows, next_k, pf_lines,
+    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr,
+    M, N, K, up_offset, eps,
     stride_xm, stride_wn, stride_om, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-    FMA: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_NEXT: tl.constexpr, LINES: tl.constexpr,
+    FMA: tl.constexpr, USE_PDL: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -199,8 +150,6 @@ def _skinny_gemm_kernel(
                     acc_up = tl.dot(w_up, xt, acc_up)
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if PREFETCH_NEXT:
-        _prefetch_next_weight(next_ptr, next_rows, next_k, pf_lines, LINES)
     if FMA:
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
         acc_up = tl.reshape(tl.sum(acc2_up, axis=1), (BLOCK_N, 1))
@@ -256,7 +205,6 @@ def _launch(
     residual: torch.Tensor | None = None,
     up_offset: int = 0,
     config: GemmConfig | None = None,
-    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
@@ -265,8 +213,6 @@ def _launch(
     assert rows <= MAX_ROWS and w.shape[1] == k and w.stride(-1) == 1
     cfg = config or choose_config(n, k, rows, silu=up_offset > 0)
     use_pdl = cfg.pdl and pdl_enabled() and x.is_cuda
-    prefetch = prefetch if prefetch is not None and prefetch_enabled() and x.is_cuda else None
-    nxt = prefetch.weight if prefetch is not None else w
     split = cfg.split_k if residual is not None else 1
     assert k % (cfg.block_k * split) == 0, f"K={k} is not a multiple of block_k={cfg.block_k} x {split}"
     fma = cfg.fma and rows == 1
@@ -278,12 +224,11 @@ def _launch(
         target = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
     pdl = {"launch_pdl": True} if use_pdl else {}
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        flat, w, target, res, norm_w if norm_w is not None else w, nxt,
+        flat, w, target, res, norm_w if norm_w is not None else w,
         rows, n, k, up_offset, eps,
-        nxt.shape[0], nxt.stride(0), triton.cdiv(prefetch.cols, 64) if prefetch else 0,
         flat.stride(0), w.stride(0), out.stride(0), res.stride(0),
         NORM=norm_w is not None, SILU_MUL=up_offset > 0, RESIDUAL=residual is not None, SPLIT_K=split,
-        FMA=fma, USE_PDL=use_pdl, PREFETCH_NEXT=prefetch is not None, LINES=32 * cfg.num_warps,
+        FMA=fma, USE_PDL=use_pdl,
         # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
         DOT_FP32=fp32 or _INTERPRETED, PRECISION="ieee" if fp32 or _INTERPRETED else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -299,30 +244,29 @@ def _launch(
 
 def norm_linear(
     x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
-    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None, prefetch: Prefetch | None = None,
+    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """rmsnorm(x, norm_w) @ w.T, in out_dtype (default x's)."""
     n = w.shape[0]
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=out_dtype or x.dtype, device=x.device)
-    return _launch(x, w, out, n=n, norm_w=norm_w, eps=eps, config=config, prefetch=prefetch)
+    return _launch(x, w, out, n=n, norm_w=norm_w, eps=eps, config=config)
 
 
 def norm_gate_up_silu(
     x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float, *,
-    config: GemmConfig | None = None, prefetch: Prefetch | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """silu(h @ gate.T) * (h @ up.T) with h = rmsnorm(x, norm_w) and w_gate_up = [gate; up] ([2I, K])."""
     n = w_gate_up.shape[0] // 2
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w_gate_up, out, n=n, norm_w=norm_w, eps=eps, up_offset=n, config=config,
-                   prefetch=prefetch)
+    return _launch(x, w_gate_up, out, n=n, norm_w=norm_w, eps=eps, up_offset=n, config=config)
 
 
 def linear_residual(
     x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *,
-    config: GemmConfig | None = None, prefetch: Prefetch | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """residual + x @ w.T (a new tensor; the residual is read, not written)."""
     n = w.shape[0]
     out = torch.empty(x.numel() // x.shape[-1], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w, out, n=n, residual=residual, config=config, prefetch=prefetch)
+    return _launch(x, w, out, n=n, residual=residual, config=config)

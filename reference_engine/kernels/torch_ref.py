@@ -34,31 +34,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def norm_linear(
     x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float, *,
-    out_dtype: torch.dtype | None = None, prefetch: object = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """rmsnorm(x, norm_w) @ w.T in out_dtype (default x's): the qkv projection and the LM head.
-    `prefetch` (here and below) is a Triton-path hint about the next weight; the reference ignores it."""
+    """rmsnorm(x, norm_w) @ w.T in out_dtype (default x's): the qkv projection and the LM head."""
     out = F.linear(rmsnorm(x, norm_w, eps), w)
     return out if out_dtype is None else out.to(out_dtype)
 
 
 def norm_gate_up_silu(
-    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float, *, prefetch: object = None
+    x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """The MLP's first half: silu_and_mul(rmsnorm(x, norm_w) @ w_gate_up.T)."""
     return silu_and_mul(F.linear(rmsnorm(x, norm_w, eps), w_gate_up))
 
 
-def linear_residual(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, *, prefetch: object = None
-) -> torch.Tensor:
+def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The residual stream update: residual + x @ w.T (the product rounded to x's dtype first)."""
     return F.linear(x, w) + residual
-
-
-def make_prefetch(weight: torch.Tensor, max_bytes: float) -> None:
-    """No prefetch hints on the reference path."""
-    return None
 
 
 def paged_decode_attention(
