@@ -16,6 +16,7 @@ Writes results.json under --out and prints a table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -28,6 +29,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
 from reference_engine.model import Qwen3Model
+
+
+def _gate_up_fma(cfg, n: int, k: int, rows: int, silu: bool):
+    from reference_engine.kernels.skinny_gemm import GemmConfig
+
+    return GemmConfig(8, 512, 8, 3, fma=True, pdl=True, preload_k=2048) if silu and rows == 1 else cfg
+
+
+GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applied on top of choose_config
+    "default": None,
+    "no-preload": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, preload_k=0),
+    "gate-up-fma": _gate_up_fma,
+}
+
+
+def apply_gemm_variant(name: str) -> None:
+    """Benchmark-only: rewrite the engine's decode GEMM tiles, to compare designs in whole steps."""
+    rewrite = GEMM_VARIANTS[name]
+    if rewrite is None:
+        return
+    from reference_engine.kernels import skinny_gemm
+
+    chosen = skinny_gemm.choose_config
+
+    def patched(n: int, k: int, rows: int, *, silu: bool = False):
+        return skinny_gemm._fit(rewrite(chosen(n, k, rows, silu=silu), n, k, rows, silu), k)
+
+    skinny_gemm.choose_config = patched
 
 
 def sync() -> None:
@@ -280,7 +309,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel table of the batch-1 step graph")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--gemm-variant", choices=sorted(GEMM_VARIANTS), default="default",
+                        help="decode GEMM tile experiment (Triton kernels)")
     args = parser.parse_args()
+    apply_gemm_variant(args.gemm_variant)
 
     base = Config(preset=args.preset, max_model_len=args.max_model_len)
     cuda = base.device == "cuda"

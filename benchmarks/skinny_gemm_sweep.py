@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_engine.kernels import skinny_gemm as sg  # noqa: E402
+from reference_engine.kernels.pdl import set_pdl  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 2560, 9728, 6144, 151936
 SHAPES = {  # name: (rows of the weight, K, op)
@@ -62,7 +63,7 @@ def _compile_one(job: tuple) -> str:
     """Worker: compile one (op, config) by running it on small tensors with the real K (Triton's disk
     cache then serves the timing process). Rows 1 and 4 differ: Triton specialises an int argument of 1."""
     op, k, cfg = job
-    sg.set_pdl(False)
+    set_pdl(False)
     try:
         w = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
         norm = torch.ones(k, device="cuda", dtype=torch.bfloat16)
@@ -163,9 +164,9 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
         return x
 
     # PDL must not change a bit: a missing wait would read a stale residual somewhere in 144 launches.
-    sg.set_pdl(False)
+    set_pdl(False)
     plain = fused()
-    sg.set_pdl(True)
+    set_pdl(True)
     graph = torch.cuda.CUDAGraph()
     fused()
     with torch.cuda.graph(graph):
@@ -179,7 +180,7 @@ def layer_chain(best: dict, rows: int, layers: int = 36) -> dict:
 
     out = {"cublas_ms": time_chain([unfused], replays=10) / 1e3}
     for pdl in (False, True):
-        sg.set_pdl(pdl)
+        set_pdl(pdl)
         out[f"fused{'_pdl' * pdl}_ms"] = time_chain([fused], replays=10) / 1e3
     weight_bytes = sum(t.numel() * 2 for w in ws for t in w.values())
     out["floor_ms"] = weight_bytes / 4.25e12 * 1e3
@@ -205,7 +206,7 @@ def main() -> None:
         copies = max(1, int(CHAIN_BYTES // bytes_per))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         norm = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-        sg.set_pdl(False)
+        set_pdl(False)
         err = check(op, 3, weights[0], norm)
         err1 = check(op, 1, weights[0], norm)
         for rows in args.rows:
@@ -216,7 +217,7 @@ def main() -> None:
                 return time_chain([make_call(op, x, w, norm, res, cfg) for w in weights])
 
             cublas = time_chain([lambda w=w, x=x: F.linear(x, w) for w in weights])
-            sg.set_pdl(False)
+            set_pdl(False)
             scores = []
             for cfg in configs(op):
                 if cfg.fma and rows != 1:
@@ -226,7 +227,7 @@ def main() -> None:
                 except Exception as exc:  # a tile that does not compile (shared memory) is skipped
                     print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
             scores.sort(key=lambda t: t[0])
-            sg.set_pdl(True)
+            set_pdl(True)
             pdl_scores = []
             for _, cfg in scores[:3]:
                 pcfg = dataclasses.replace(cfg, pdl=True)
@@ -236,7 +237,7 @@ def main() -> None:
             pdl_us, pdl_cfg = pdl_scores[0] if pdl_scores else (float("nan"), None)
             best[(name, rows)] = pdl_cfg or best_cfg
             best_err = check(op, rows, weights[0], norm, best_cfg)
-            sg.set_pdl(True)
+            set_pdl(True)
             pdl_err = check(op, rows, weights[0], norm, pdl_cfg) if pdl_cfg else float("nan")
             row = dict(shape=name, rows=rows, n=n, k=k, rel_err=err, rel_err_1row=err1, best_err=best_err,
                        pdl_err=pdl_err, cublas_us=cublas,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_engine.kernels.pdl import launch_options, pdl_prologue
+
 # Fewer tokens per split than this and the merge costs more than the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
@@ -53,8 +55,9 @@ def _decode_split_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,8 +136,9 @@ def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr,
     stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -181,6 +185,7 @@ def paged_decode_attention(
     if dot_fp32 is None or _INTERPRETED:
         dot_fp32 = DOT_FP32_DEFAULT or _INTERPRETED
     out = torch.empty_like(q)
+    use_pdl, pdl = launch_options(q)
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     block_n = 64 if block_d <= 128 else 32
@@ -202,7 +207,7 @@ def paged_decode_attention(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32 or q.dtype == torch.float32,
         # fp32 caches (tests) get exact fp32 products; bf16 values are exact in tf32 anyway.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        USE_PDL=use_pdl, num_warps=4, num_stages=2, **pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_q_heads)](
@@ -210,6 +215,6 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            USE_PDL=use_pdl, num_warps=4, **pdl,
         )
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_engine.kernels.pdl import launch_options, pdl_prologue
+
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(
@@ -20,7 +22,9 @@ def _qk_norm_rope_cache_kernel(
     stride_qkv, stride_cos, stride_cache_slot, stride_cache_head,
     eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     head_dim = 2 * HALF
@@ -90,18 +94,21 @@ def qk_norm_rope_cache(
     tokens = qkv.shape[0]
     head_dim = q_norm_weight.shape[0]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos.stride() == sin.stride()
+    # The kernel indexes positions and slots as dense [tokens] arrays (a strided view would be misread).
+    assert positions.dim() == 1 and positions.stride(0) == 1 and slot_mapping.stride(0) == 1
     # Cache rows are addressed as flat slots: [num_blocks, block_size] must be one dense dim.
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
     q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
+    use_pdl, pdl = launch_options(qkv)
     _qk_norm_rope_cache_kernel[(tokens, num_q_heads + 2 * num_kv_heads)](
         qkv, q_norm_weight, k_norm_weight, cos, sin, positions, slot_mapping,
         k_cache, v_cache, q, k, v,
         qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
+        BLOCK_HALF=triton.next_power_of_2(half), USE_PDL=use_pdl, num_warps=1, **pdl,
     )
     return q, k, v
