@@ -95,7 +95,7 @@ def qk_norm_rope_cache(
     head_dim = q_norm_weight.shape[0]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos.stride() == sin.stride()
     # The kernel indexes positions and slots as dense [tokens] arrays (a strided view would be misread).
-    assert positions.dim() == 1 and positions.stride(0) == 1 and slot_mapping.stride(0) == 1
+    assert positions.dim() == 1 and positions.is_contiguous() and slot_mapping.is_contiguous()
     # Cache rows are addressed as flat slots: [num_blocks, block_size] must be one dense dim.
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
     q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
