@@ -41,6 +41,8 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "default": None,
     "no-preload": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, preload_k=0),
     "gate-up-fma": _gate_up_fma,
+    "dot-no-pdl": lambda cfg, n, k, rows, silu: cfg if cfg.fma else dataclasses.replace(cfg, pdl=False),
+    "gate-up-pdl": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, pdl=True) if silu else cfg,
 }
 
 

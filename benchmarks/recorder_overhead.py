@@ -16,13 +16,14 @@ Goal: <= 500 ns per span and <= 4000 ns per step including the two CUDA event re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
 import sys
 import tempfile
+import timeit
 from pathlib import Path
-from time import perf_counter_ns
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,108 +41,71 @@ class Cost(NamedTuple):
         return Cost(self.median - other.median, self.best - other.best)
 
 
-def ns_per_iter(body, n: int, repeats: int, *, between=None) -> Cost:
-    """Median and best over `repeats` timed runs of body(n), in ns per iteration. `between` runs untimed
-    after each (the recorder's flush): a huge never-flushed buffer would measure memory growth instead."""
+def ns_per_iter(stmt: str, names: dict, n: int, repeats: int, *, between=None) -> Cost:
+    """The one timing loop: median and best over `repeats` timed runs of `stmt` executed n times, in ns per
+    execution. timeit compiles the statement into its own loop (no call per iteration is measured) and
+    pauses the GC while timing. `between` runs untimed after each run (the recorder's flush): a huge
+    never-flushed buffer would measure memory growth instead."""
+    timer = timeit.Timer(stmt, globals=names)
     samples = []
     for _ in range(repeats):
-        t0 = perf_counter_ns()
-        body(n)
-        samples.append((perf_counter_ns() - t0) / n)
+        samples.append(timer.timeit(n) * 1e9 / n)
         if between is not None:
             between()
     return Cost(statistics.median(samples), min(samples))
 
 
-def bare(n):
-    for _ in range(n):
-        pass
+# The measured statements; names come from the recorder (or stream and events) in `names` below.
+SPAN_PAIR = "busy_begin('schedule'); busy_end()"
+SPAN_WITH = "with busy('schedule'): pass"
+STEP = """
+step_begin(batch_size=4, num_tokens=4, phase='decode')
+busy_begin('schedule'); busy_end()
+busy_begin('prepare'); busy_end()
+busy_begin('launch'); busy_end()
+wait_begin('gpu'); wait_end()
+"""
+STEP_GPU = """
+step_begin(batch_size=4, num_tokens=4, phase='decode')
+busy_begin('schedule'); busy_end()
+busy_begin('prepare'); busy_end()
+busy_begin('launch'); gpu_begin(stream); gpu_end(stream); busy_end()
+wait_begin('gpu'); wait_end()
+"""
 
 
-def span_pairs(rec):
-    begin, end = rec.busy_begin, rec.busy_end
-
-    def body(n):
-        for _ in range(n):
-            begin("schedule")
-            end()
-
-    return body
-
-
-def span_with(rec):
-    busy = rec.busy
-
-    def body(n):
-        for _ in range(n):
-            with busy("schedule"):
-                pass
-
-    return body
-
-
-def steps_cpu(rec):
-    step_begin, busy_begin, busy_end, wait_begin, wait_end = (
-        rec.step_begin, rec.busy_begin, rec.busy_end, rec.wait_begin, rec.wait_end)
-
-    def body(n):
-        for _ in range(n):
-            step_begin(batch_size=4, num_tokens=4, phase="decode")
-            busy_begin("schedule")
-            busy_end()
-            busy_begin("prepare")
-            busy_end()
-            busy_begin("launch")
-            busy_end()
-            wait_begin("gpu")
-            wait_end()
-
-    return body
-
-
-def steps_gpu(rec, stream):
-    step_begin, busy_begin, busy_end, wait_begin, wait_end = (
-        rec.step_begin, rec.busy_begin, rec.busy_end, rec.wait_begin, rec.wait_end)
-    gpu_begin, gpu_end = rec.gpu_begin, rec.gpu_end
-
-    def body(n):
-        for _ in range(n):
-            step_begin(batch_size=4, num_tokens=4, phase="decode")
-            busy_begin("schedule")
-            busy_end()
-            busy_begin("prepare")
-            busy_end()
-            busy_begin("launch")
-            gpu_begin(stream)
-            gpu_end(stream)
-            busy_end()
-            wait_begin("gpu")
-            wait_end()
-
-    return body
+def names(rec, **more) -> dict:
+    """What the statements call: the recorder's bound methods, looked up once like an engine's hook does."""
+    calls = ("busy", "busy_begin", "busy_end", "wait_begin", "wait_end", "step_begin", "gpu_begin", "gpu_end")
+    return {name: getattr(rec, name) for name in calls} | more
 
 
 def measure(args) -> list[tuple[str, Cost, str]]:
     rows: list[tuple[str, Cost, str]] = []
     batch, repeats = BATCH_STEPS, args.batches
-    base = ns_per_iter(bare, batch, repeats)
+    base = ns_per_iter("pass", {}, batch, repeats)
     rows.append(("bare loop (per iteration)", base, "reference"))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        rec = Recorder(tmp / "spans", engine="bench")
-        rec.step_begin()
+
+        def on_recorder(name: str, stmt: str, n: int, *, in_step: bool = False, **options) -> Cost:
+            """stmt on a fresh recorder, flushed untimed between the timed runs, minus the bare loop."""
+            rec = Recorder(tmp / name, engine="bench", **options)
+            if in_step:
+                rec.step_begin()
+            cost = ns_per_iter(stmt, names(rec), n, repeats, between=rec.flush) - base
+            rec.close()
+            return cost
+
         n_spans = 4 * batch  # within the span buffer (16 x flush_steps)
-        pairs = ns_per_iter(span_pairs(rec), n_spans, repeats, between=rec.flush) - base
-        rows.append(("span (busy_begin/busy_end)", pairs, "<= 500"))
-        scoped = ns_per_iter(span_with(rec), n_spans, repeats, between=rec.flush) - base
-        rows.append(("span (with rec.busy(label))", scoped, "<= 500"))
-        rec.close()
-        rec = Recorder(tmp / "steps", engine="bench")
-        per_step = ns_per_iter(steps_cpu(rec), batch, repeats, between=rec.flush) - base
+        rows.append(("span (busy_begin/busy_end)", on_recorder("pairs", SPAN_PAIR, n_spans, in_step=True),
+                     "<= 500"))
+        rows.append(("span (with rec.busy(label))", on_recorder("with", SPAN_WITH, n_spans, in_step=True),
+                     "<= 500"))
+        per_step = on_recorder("steps", STEP, batch)
         rows.append(("step + 4 spans, CPU only", per_step, ""))
-        rec.close()
         rec = Recorder(tmp / "flush", engine="bench")  # defaults: flush every 256 steps or 1 s
-        long_run = ns_per_iter(steps_cpu(rec), args.steps, 3) - base
+        long_run = ns_per_iter(STEP, names(rec), args.steps, 3) - base
         rec.close()
         rows.append((f"step + 4 spans incl. flushes ({args.steps} steps)", long_run, "amortized"))
         rows.append(("  of which flushing, per step", long_run - per_step, ""))
@@ -150,45 +114,32 @@ def measure(args) -> list[tuple[str, Cost, str]]:
     return rows
 
 
-def measure_cuda(tmp: Path, batch: int, repeats: int, base: float) -> list[tuple[str, Cost, str]]:
+def measure_cuda(tmp: Path, batch: int, repeats: int, base: Cost) -> list[tuple[str, Cost, str]]:
     import torch
+
+    from overshoot.gpu import native_record
 
     stream = torch.cuda.Stream()
     rows = []
     rec = Recorder(tmp / "gpu", engine="bench", cuda=True)  # ring + clock anchor set up outside the timing
-    body = steps_gpu(rec, stream)
-    body(batch)
-    rec.flush()
-    per_step = ns_per_iter(body, batch, repeats, between=rec.flush) - base
+    gpu_names = names(rec, stream=stream)
+    ns_per_iter(STEP_GPU, gpu_names, batch, 1, between=rec.flush)  # warm-up
+    per_step = ns_per_iter(STEP_GPU, gpu_names, batch, repeats, between=rec.flush) - base
     rows.append(("step + 4 spans + gpu_begin/gpu_end (CUDA)", per_step, "<= 4000"))
     rec.close()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(256)]
-
-    def record_explicit(k):
-        for i in range(k):
-            events[i & 255].record(stream)
-
-    from overshoot.gpu import native_record
-
-    record = native_record(torch.cuda.Event)
-
-    def record_native(k):
-        for i in range(k):
-            record(events[i & 255], stream)
-
-    def record_current(k):
-        for i in range(k):
-            events[i & 255].record()
-
+    # Cycle through 256 events, as the recorder's ring does (the C-level next() is part of every row).
+    events = itertools.cycle([torch.cuda.Event(enable_timing=True) for _ in range(256)])
+    raw = {"events": events, "stream": stream, "record": native_record(torch.cuda.Event)}
+    variants = [
+        ("Event.record(stream), raw", "next(events).record(stream)"),
+        ("C-level record(event, stream) (what gpu_begin uses)", "record(next(events), stream)"),
+        ("Event.record() current stream, raw", "next(events).record()"),
+    ]
     with torch.cuda.stream(stream):
-        record_explicit(512)
-        torch.cuda.synchronize()
-        explicit = ns_per_iter(record_explicit, batch, repeats, between=torch.cuda.synchronize) - base
-        rows.append(("Event.record(stream), raw", explicit, ""))
-        native = ns_per_iter(record_native, batch, repeats, between=torch.cuda.synchronize) - base
-        rows.append(("C-level record(event, stream) (what gpu_begin uses)", native, ""))
-        current = ns_per_iter(record_current, batch, repeats, between=torch.cuda.synchronize) - base
-        rows.append(("Event.record() current stream, raw", current, ""))
+        ns_per_iter(variants[0][1], raw, 512, 1, between=torch.cuda.synchronize)  # warm-up
+        for name, stmt in variants:
+            cost = ns_per_iter(stmt, raw, batch, repeats, between=torch.cuda.synchronize) - base
+            rows.append((name, cost, ""))
     return rows
 
 

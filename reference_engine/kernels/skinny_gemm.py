@@ -54,7 +54,7 @@ def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfi
     its big shared-memory tiles block the early-launched next kernel), so it is on only where it helped.
     """
     if silu:
-        cfg = GemmConfig(128, 128, 8, 3, pdl=True)
+        cfg = GemmConfig(128, 128, 8, 3)
     elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
         cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
     elif rows == 1:
@@ -121,10 +121,10 @@ def _skinny_gemm_kernel(
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PRELOAD_K > 0:
         x_pre = tl.load(x_ptr + k_start + rkp)[None, :]  # [1, PRELOAD_K]: FMA means one row
-        if NORM:
-            xf = x_pre.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-            x_pre = (xf * tl.load(norm_ptr + rkp).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+        if NORM:  # (names distinct from the loop's: Triton would treat a reused name as loop-carried)
+            x_pre_f = x_pre.to(tl.float32)
+            sum_sq += tl.sum(x_pre_f * x_pre_f, axis=1)
+            x_pre = (x_pre_f * tl.load(norm_ptr + rkp).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
         x_pre = x_pre.to(tl.float32)
         acc_pre = tl.sum(w_pre.to(tl.float32) * x_pre, axis=1)
         if SILU_MUL:
