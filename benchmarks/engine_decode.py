@@ -34,7 +34,7 @@ from reference_engine.model import Qwen3Model
 def _gate_up_fma(cfg, n: int, k: int, rows: int, silu: bool):
     from reference_engine.kernels.skinny_gemm import GemmConfig
 
-    return GemmConfig(8, 512, 8, 3, fma=True, pdl=True, preload_k=2048) if silu and rows == 1 else cfg
+    return GemmConfig(4, 512, 8, 3, fma=True, pdl=True, preload_k=2048) if silu and rows == 1 else cfg
 
 
 GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applied on top of choose_config

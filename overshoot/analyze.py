@@ -173,7 +173,7 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
             idle = spans[is_idle]
             idle_code = _timeline_codes(idle, pids, threads)
             idle_end = (idle["start_ns"] + idle["dur_ns"]).to_numpy(dtype="float64")
-    bounds = np.searchsorted(code, np.unique(code))
+    bounds = np.flatnonzero(np.diff(code, prepend=-1))  # rows are ordered by code (>= 0): timeline starts
     for lo, hi in zip(bounds, [*bounds[1:], n], strict=True):  # one pass per timeline (few of them)
         mine = gpu_code == code[lo]
         if not mine.any():
@@ -215,10 +215,15 @@ def _level_of(start_ns: np.ndarray, levels: list[dict]) -> pd.Series:
 
 def primary_timeline(df: pd.DataFrame) -> tuple[int, str]:
     """The engine thread: the (pid, thread) with the most steps (ties: the earliest to start)."""
+    best = _primary_row(df)
+    return int(df["pid"].iat[best]), str(df["thread"].iat[best])
+
+
+def _primary_row(df: pd.DataFrame) -> int:
+    """A row of the primary timeline (see primary_timeline)."""
     code = df["_timeline"].to_numpy()
     _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
-    best = first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]]
-    return int(df["pid"].iat[best]), str(df["thread"].iat[best])
+    return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])
 
 
 @dataclass
@@ -287,10 +292,20 @@ def _last_wait_end(df: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
     if not is_wait.any():
         return out
     end = spans["start_ns"].to_numpy()[is_wait] + spans["dur_ns"].to_numpy()[is_wait]
-    last = pd.Series(end).groupby(step[is_wait]).max()
-    pos = pd.Index(df["step"].to_numpy()).get_indexer(last.index)
-    out[pos[pos >= 0]] = last.to_numpy(dtype="float64")[pos >= 0]
+    steps, last = _max_per_step(step[is_wait], end)
+    pos = pd.Index(df["step"].to_numpy()).get_indexer(steps)
+    out[pos[pos >= 0]] = last.astype("float64")[pos >= 0]
     return out
+
+
+def _max_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct steps and the largest value of each. Spans are recorded in time order, so their steps
+    normally come in runs: one reduceat over the runs instead of a hash group-by."""
+    if np.all(step[1:] >= step[:-1]):
+        starts = np.flatnonzero(np.diff(step, prepend=step[:1] - 1))
+        return step[starts], np.maximum.reduceat(values, starts)
+    last = pd.Series(values).groupby(step).max()
+    return last.index.to_numpy(), last.to_numpy()
 
 
 @dataclass
@@ -323,8 +338,9 @@ def summarize(
 
     what_ifs = list(what_ifs or [])
     full = joined_steps(run, cpu_bound_ms=cpu_bound_ms)
-    pid, thread = primary_timeline(full)
-    on_primary = (full["pid"].to_numpy() == pid) & (full["thread"] == thread).to_numpy()
+    best = _primary_row(full)
+    pid, thread = int(full["pid"].iat[best]), str(full["thread"].iat[best])
+    on_primary = full["_timeline"].to_numpy() == full["_timeline"].iat[best]  # ints, not string compares
     timeline = full if on_primary.all() else full[on_primary].reset_index(drop=True)  # ordered by start
     spans = run.spans
     if spans is not None and len(spans):
@@ -346,7 +362,7 @@ def summarize(
             kept = kept[~outside]
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
     groups = _aggregate(kept, keys, what_ifs, cpu_bound_ms)
-    notes = _notes(full, kept, groups, keys, guess, proj, pid, thread, warmup_steps)
+    notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
     if outside_levels:
         notes.insert(1, f"{outside_levels} steps outside every load level (e.g. warm-up) are not summarised")
     return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
@@ -360,8 +376,14 @@ def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
         codes.append(c)
         sizes.append(max(len(uniques), 1))
     combined = np.ravel_multi_index(codes, sizes) if len(keys) > 1 else codes[0]
-    _, first_row, group_id = np.unique(combined, return_index=True, return_inverse=True)
-    return group_id.ravel(), first_row
+    # The combined codes are small and dense: number the present ones by counting, not by sorting rows.
+    present = np.flatnonzero(np.bincount(combined, minlength=1))
+    number = np.zeros(int(combined.max(initial=0)) + 1, "int64")
+    number[present] = np.arange(len(present))
+    group_id = number[combined]
+    first_row = np.full(len(present), len(df), "int64")
+    np.minimum.at(first_row, group_id, np.arange(len(df)))
+    return group_id, first_row
 
 
 def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: float) -> pd.DataFrame:
@@ -411,9 +433,9 @@ def group_title(row: dict, keys: list[str]) -> str:
     return f"{row['phase']} @ {batch}"
 
 
-def _notes(full, kept, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
+def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
     notes = [f"primary timeline: pid {pid} thread {thread!r} (the thread with the most steps)"]
-    others = full[(full["pid"] != pid) | (full["thread"] != thread)]
+    others = full[~on_primary]
     if len(others):
         counts = others.groupby(["pid", "thread"], sort=True).size()
         listed = ", ".join(f"{p}/{t}: {n} steps" for (p, t), n in counts.items())

@@ -2,10 +2,11 @@
 
 Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
 `time.perf_counter_ns()` once, and allocates nothing but the clock's int. `rec.busy("x")` returns a context
-manager cached per label. Flushing (Arrow conversion + write) happens between steps, every `flush_steps`
-steps or `flush_seconds`, at idle begin (at most every 10 ms, for engines that poll), on close, atexit and
-SIGTERM/SIGINT (see "process lifecycle" at the bottom of this module). A flush between steps is recorded as
-a busy span labelled "overshoot:flush" at step -1, so its cost is visible and never inflates a step.
+manager cached per label, built to cost about what the begin/end pair costs (overshoot/_scopes.py).
+Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
+idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT (see "process
+lifecycle" at the bottom of this module). A flush between steps is recorded as a busy span labelled
+"overshoot:flush" at step -1, so its cost is visible and never inflates a step.
 
 Semantics (docs/contracts.md section 1):
 - a step lasts from `step_begin` to the next `step_begin`, `step_end`, `idle_begin` or `close`;
@@ -24,85 +25,26 @@ import signal
 import sys
 import threading
 import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from time import perf_counter_ns
 
 from overshoot._nvtx import make_ranges
+from overshoot._scopes import (
+    BUSY,
+    IDLE,
+    MAX_DEPTH,
+    WAIT,
+    IdleScope,
+    ScopeCache,
+    SpanScope,
+    StepScope,
+    fast_scope,
+)
 from overshoot.spool import RecorderIO
 
-BUSY, WAIT, IDLE = "busy", "wait", "idle"
-MAX_DEPTH = 64  # deeper nesting is ignored (counted), never an IndexError inside the engine
 FLUSH_LABEL = "overshoot:flush"
-
-
-class _SpanScope:
-    """Reusable `with` object for one (kind, label): entering allocates nothing."""
-
-    __slots__ = ("_begin", "_end", "_label")
-
-    def __init__(self, begin, end, label):
-        self._begin, self._end, self._label = begin, end, label
-
-    def __enter__(self):
-        self._begin(self._label)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):  # explicit arguments: `*exc` would build a tuple per call
-        self._end()
-        return False
-
-
-class _BusyScope:
-    """`with rec.busy(label)` for a recorder without NVTX: busy_begin inlined, one call frame less."""
-
-    __slots__ = ("_rec", "_end", "_label")
-
-    def __init__(self, rec, label):
-        self._rec, self._end, self._label = rec, rec._end, label
-
-    def __enter__(self):
-        rec = self._rec
-        d = rec._depth
-        rec._depth = d + 1
-        if d < MAX_DEPTH:
-            rec._st_label[d] = self._label
-            rec._st_kind[d] = BUSY
-            rec._st_start[d] = perf_counter_ns()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self._end()
-        return False
-
-
-class _IdleScope:
-    __slots__ = ("_rec",)
-
-    def __init__(self, rec):
-        self._rec = rec
-
-    def __enter__(self):
-        self._rec.idle_begin()
-        return self
-
-    def __exit__(self, *exc):
-        self._rec.idle_end()
-        return False
-
-
-class _StepScope:
-    __slots__ = ("_rec", "_facts")
-
-    def __init__(self, rec, facts):
-        self._rec, self._facts = rec, facts
-
-    def __enter__(self):
-        self._rec.step_begin(**self._facts)
-        return self
-
-    def __exit__(self, *exc):
-        self._rec.step_end()
-        return False
 
 
 class Recorder:
@@ -131,7 +73,7 @@ class Recorder:
         "_step", "_next_step", "_step_start", "_step_wait", "_batch", "_tokens", "_phase", "_facts",
         "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_ring",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
-        "_busy_scopes", "_wait_scopes", "_idle_scope",
+        "busy", "_wait_scopes", "_idle_scope",
     )
 
     def __init__(
@@ -208,9 +150,10 @@ class Recorder:
         self._flushing_ident: int | None = None
         self._last_flush_ns = perf_counter_ns()
         self._closed = False
-        self._busy_scopes: dict[str, _SpanScope | _BusyScope] = {}
-        self._wait_scopes: dict[str, _SpanScope] = {}
-        self._idle_scope = _IdleScope(self)
+        # `rec.busy(label)` is the scope cache's own __getitem__: a C call, no Python frame (_scopes.py).
+        self.busy = ScopeCache(lambda label: self._scope(BUSY, label)).__getitem__
+        self._wait_scopes = ScopeCache(lambda label: self._scope(WAIT, label))
+        self._idle_scope = IdleScope(self)
         if self._nvtx is not None:
             self.__class__ = _NvtxRecorder  # span methods that also push/pop NVTX ranges
         _register(self)
@@ -251,9 +194,9 @@ class Recorder:
         if self._step >= 0:
             self._boundary(perf_counter_ns())
 
-    def step(self, **facts) -> _StepScope:
+    def step(self, **facts) -> StepScope:
         """`with rec.step(batch_size=1, phase="decode"): ...` = step_begin(...) + step_end()."""
-        return _StepScope(self, facts)
+        return StepScope(self, facts)
 
     def _boundary(self, t: int) -> int:
         """End the open step at `t` (splitting open spans there); maybe flush. Returns the time the next
@@ -313,24 +256,21 @@ class Recorder:
 
     # ---- spans ----
 
-    def busy(self, label: str) -> _SpanScope | _BusyScope:
-        scope = self._busy_scopes.get(label)
-        if scope is None:
-            if self._nvtx is None:
-                scope = _BusyScope(self, label)
-            else:
-                scope = _SpanScope(self.busy_begin, self._end, label)
-            self._busy_scopes[label] = scope
-        return scope
+    # busy(label): `with rec.busy("schedule"): ...`, a cached scope per label; an attribute set in __init__.
+    busy: Callable[[str], AbstractContextManager]
 
-    def wait(self, label: str = "gpu") -> _SpanScope:
-        scope = self._wait_scopes.get(label)
-        if scope is None:
-            scope = self._wait_scopes[label] = _SpanScope(self.wait_begin, self._end, label)
-        return scope
+    def wait(self, label: str = "gpu") -> AbstractContextManager:
+        """`with rec.wait("gpu"): ...`: the thread blocked on GPU results (a cached scope per label)."""
+        return self._wait_scopes[label]
 
-    def idle(self) -> _IdleScope:
+    def idle(self) -> IdleScope:
         return self._idle_scope
+
+    def _scope(self, kind: str, label: str) -> AbstractContextManager:
+        if self._nvtx is None:
+            return fast_scope(self, kind, label)
+        begin = self.busy_begin if kind == BUSY else self.wait_begin  # NVTX: these push the range
+        return SpanScope(begin, self._end, label)
 
     # The span stack holds MAX_DEPTH entries; `_depth` keeps counting beyond that so that the matching ends
     # of spans too deep to record are recognised and ignored. (try/except costs nothing when nothing raises.)

@@ -165,13 +165,12 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
     """All chunks of one raw table across recorders, with `pid` (int64) and `thread` (str) columns added.
 
     Segments with different extra facts are merged by name (missing values are null; int/float widen).
-    The result is one contiguous chunk per column that owns its memory: left as read, a million steps are
-    ~4,000 chunks (one per flush), which pandas converts chunk by chunk, and the string columns would keep
-    every memory-mapped spool file mapped (and resident) for as long as the Run lives.
+    The result has one contiguous chunk per column and owns its memory: left as read, a million steps are
+    ~4,000 chunks (one per flush) that pandas converts one by one, and the string columns would keep every
+    memory-mapped spool file mapped, and resident, for as long as the Run lives.
     """
     base = BASE_SCHEMAS[table]
     parts: list[pa.Table] = []
-    owners: list[ChunkFile] = []
     for chunk in list_chunk_files(spool_dir):
         if chunk.table != table:
             continue
@@ -186,23 +185,15 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
         if missing:
             warnings.append(f"{label}: skipped, missing columns {', '.join(missing)}")
             continue
+        # The recorder is constant per file: Arrow repeat arrays, no per-row Python.
+        n = part.num_rows
+        part = part.append_column("pid", pa.repeat(pa.scalar(chunk.pid, pa.int64()), n))
+        part = part.append_column("thread", pa.repeat(pa.scalar(chunk.tag, pa.string()), n))
         parts.append(part)
-        owners.append(chunk)
     if not parts:
         empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", pa.string()))
         return empty.empty_table()
-    merged = pa.concat_tables(parts, promote_options="permissive").combine_chunks()
-    rows = np.array([part.num_rows for part in parts], np.int64)
-    pid, thread = _recorder_columns([c.pid for c in owners], [c.tag for c in owners], rows)
-    return merged.append_column("pid", pid).append_column("thread", thread)
-
-
-def _recorder_columns(pids: list[int], tags: list[str], rows: np.ndarray) -> tuple[pa.Array, pa.Array]:
-    """`pid` and `thread` for rows that come in one block per spool file: each file's value repeated over
-    its rows, by numpy and Arrow (a dictionary of the few tags, decoded by a take), no per-row Python."""
-    pid = pa.array(np.repeat(np.array(pids, np.int64), rows))
-    index = pa.array(np.repeat(np.arange(len(tags), dtype=np.int32), rows))
-    return pid, pa.array(tags, pa.string()).take(index)
+    return pa.concat_tables(parts, promote_options="permissive").combine_chunks()
 
 
 # ---- writing side of one recorder: its json and its chunks -------------------------------------------------

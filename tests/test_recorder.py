@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from time import perf_counter_ns
 
+import pandas as pd
 import pytest
 
 from overshoot import Recorder
@@ -205,6 +206,60 @@ def test_hot_path_keeps_only_the_clock_ints(tmp_path):
     rec.close()
     # Each span stores two ints (start, duration); a per-span tuple/dict/object would add at least one block.
     assert per_span < 2.5, per_span
+
+
+def _play(rec, ops, use_with: bool) -> None:
+    """Run a script of spans as `with` blocks or as the begin/end calls they stand for."""
+    for op, *args in ops:
+        if op in ("busy", "wait"):
+            label, inner = args
+            if use_with:
+                with rec.busy(label) if op == "busy" else rec.wait(label):
+                    _play(rec, inner, use_with)
+            else:
+                (rec.busy_begin if op == "busy" else rec.wait_begin)(label)
+                _play(rec, inner, use_with)
+                (rec.busy_end if op == "busy" else rec.wait_end)()
+        else:
+            getattr(rec, op)(*args)
+
+
+def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch):
+    """The `with` scopes inline the begin/end code (overshoot/_scopes.py): on the same clock readings both
+    forms must write identical spans and steps, misuse included."""
+    import overshoot._scopes
+    import overshoot.recorder
+
+    deep: list = []
+    for _ in range(70):  # deeper than the span stack
+        deep = [("busy", "deep", deep)]
+    script = [
+        ("step_begin",),
+        ("busy", "schedule", [("wait", "gpu", [("wait", "inner", [])])]),
+        ("busy", "launch", [("busy", "split", [("step_begin",)])]),  # open spans at a step boundary
+        ("wait", "gpu", [("busy", "in-wait", [])]),
+        ("busy", "loop", [("busy_begin", "left-open")]),  # the scope's exit ends the innermost span
+        ("busy", "outer", [("idle_begin",)]),  # an idle span innermost: the exit takes the general path
+        ("step_begin",),
+        *deep,
+        ("busy_end",),  # unmatched
+        *[("busy", "many", [])] * 40,  # more spans than span_capacity: exits flush
+        ("wait", "last", []),
+    ]
+    runs = []
+    for use_with in (True, False):
+        ticks = iter(range(10**9, 2 * 10**9, 1000))
+        clock = ticks.__next__
+        monkeypatch.setattr(overshoot.recorder, "perf_counter_ns", clock)
+        monkeypatch.setattr(overshoot._scopes, "perf_counter_ns", clock)  # scopes bind it when created
+        rec = Recorder(tmp_path / str(use_with), engine="test", span_capacity=8)
+        _play(rec, script, use_with)
+        rec.close()
+        runs.append(load_run(tmp_path / str(use_with)))
+    scoped, paired = runs
+    assert len(scoped.spans) > 100 and scoped.steps["wait_ns"].gt(0).any()
+    pd.testing.assert_frame_equal(scoped.spans, paired.spans)
+    pd.testing.assert_frame_equal(scoped.steps, paired.steps)
 
 
 def test_time_based_flush_makes_data_readable_while_recording(tmp_path):

@@ -58,9 +58,10 @@ def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfi
     elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
         cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
     elif rows == 1:
-        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True, preload_k=8192) if k >= 8192
-               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True, preload_k=4096) if k >= 4096
-               else GemmConfig(16, 512, 8, 3, fma=True, pdl=True, preload_k=2048))
+        # Preloads sized to stay <= 128 registers a thread (two programs per SM; ptxas on sm_90).
+        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True, preload_k=4096) if k >= 8192
+               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True, preload_k=2048) if k >= 4096
+               else GemmConfig(16, 512, 8, 3, fma=True, pdl=True, preload_k=1024))
     elif n <= 4096:
         cfg = GemmConfig(64, 128, 4, 5, split_k=2, pdl=True)
     else:
