@@ -30,17 +30,8 @@ from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
 from reference_engine.model import Qwen3Model
 
-
-def _gate_up_fma(cfg, n: int, k: int, rows: int, silu: bool):
-    from reference_engine.kernels.skinny_gemm import GemmConfig
-
-    return GemmConfig(4, 512, 8, 3, fma=True, pdl=True, preload_k=2048) if silu and rows == 1 else cfg
-
-
 GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applied on top of choose_config
     "default": None,
-    "no-preload": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, preload_k=0),
-    "gate-up-fma": _gate_up_fma,
     "dot-no-pdl": lambda cfg, n, k, rows, silu: cfg if cfg.fma else dataclasses.replace(cfg, pdl=False),
     "gate-up-pdl": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, pdl=True) if silu else cfg,
 }

@@ -42,7 +42,6 @@ class GemmConfig:
     split_k: int = 1  # linear_residual only: K in this many slices, summed by a second (reduce) launch
     fma: bool = False  # one row only: FMA on a [block_n, block_k] register tile instead of tl.dot
     pdl: bool = False  # programmatic dependent launch: start while the previous kernel drains
-    preload_k: int = 0  # FMA + PDL: columns (a power of two) of each weight row loaded before the wait
 
 
 def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfig:
@@ -58,10 +57,9 @@ def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfi
     elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
         cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
     elif rows == 1:
-        # Preloads sized to stay <= 128 registers a thread (two programs per SM; ptxas on sm_90).
-        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True, preload_k=4096) if k >= 8192
-               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True, preload_k=2048) if k >= 4096
-               else GemmConfig(16, 512, 8, 3, fma=True, pdl=True, preload_k=1024))
+        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True) if k >= 8192
+               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True) if k >= 4096
+               else GemmConfig(16, 512, 4, 3, fma=True, pdl=True))
     elif n <= 4096:
         cfg = GemmConfig(64, 128, 4, 5, split_k=2, pdl=True)
     else:
@@ -70,18 +68,13 @@ def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfi
 
 
 def _fit(cfg: GemmConfig, k: int) -> GemmConfig:
-    """Shrink block_k (then drop split-K and the preload) until the tiles divide K: small models (tests)
-    have K of 64."""
-    split, block_k, preload = cfg.split_k, cfg.block_k, cfg.preload_k
-    while preload > k:
-        preload //= 2
+    """Shrink block_k (then drop split-K) until the tiles divide K: small models (tests) have K of 64."""
+    split, block_k = cfg.split_k, cfg.block_k
     while split > 1 and k % (block_k * split):
         split //= 2
-    while block_k > 16 and (k % (block_k * split) or (k - preload) % block_k):
+    while block_k > 16 and k % (block_k * split):
         block_k //= 2
-    if (k - preload) % block_k:
-        preload = 0
-    return dataclasses.replace(cfg, block_k=block_k, split_k=split, preload_k=preload)
+    return dataclasses.replace(cfg, block_k=block_k, split_k=split)
 
 
 @triton.jit
@@ -90,7 +83,7 @@ def _skinny_gemm_kernel(
     M, N, K, up_offset, eps,
     stride_xm, stride_wn, stride_om, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-    FMA: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
+    FMA: tl.constexpr, USE_PDL: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -105,14 +98,9 @@ def _skinny_gemm_kernel(
     m_mask = rm < M
     n_mask = rn < N
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
-    if PRELOAD_K > 0:  # FMA only: weights never depend on earlier kernels, so load them before waiting
-        rkp = tl.arange(0, PRELOAD_K)
-        w_pre = tl.load(w_rows[:, None] + rkp[None, :])
-        if SILU_MUL:
-            w_up_pre = tl.load(w_rows[:, None] + up_offset * stride_wn + rkp[None, :])
     pdl_prologue(USE_PDL)  # the activations and residual are earlier kernels' outputs
-    w_ptrs = w_rows[:, None] + PRELOAD_K + rk[None, :]
-    xt_ptrs = x_ptr + rm[None, :] * stride_xm + k_start + PRELOAD_K + rk[:, None]  # [BLOCK_K, BLOCK_M]
+    w_ptrs = w_rows[:, None] + rk[None, :]
+    xt_ptrs = x_ptr + rm[None, :] * stride_xm + k_start + rk[:, None]  # [BLOCK_K, BLOCK_M]
     if FMA:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc2_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -120,17 +108,7 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PRELOAD_K > 0:
-        x_pre = tl.load(x_ptr + k_start + rkp)[None, :]  # [1, PRELOAD_K]: FMA means one row
-        if NORM:  # (names distinct from the loop's: Triton would treat a reused name as loop-carried)
-            x_pre_f = x_pre.to(tl.float32)
-            sum_sq += tl.sum(x_pre_f * x_pre_f, axis=1)
-            x_pre = (x_pre_f * tl.load(norm_ptr + rkp).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
-        x_pre = x_pre.to(tl.float32)
-        acc_pre = tl.sum(w_pre.to(tl.float32) * x_pre, axis=1)
-        if SILU_MUL:
-            acc_pre_up = tl.sum(w_up_pre.to(tl.float32) * x_pre, axis=1)
-    for k in range(PRELOAD_K, k_len, BLOCK_K):  # callers guarantee (k_len - PRELOAD_K) % BLOCK_K == 0
+    for k in range(0, k_len, BLOCK_K):  # callers guarantee k_len % BLOCK_K == 0
         xt = tl.load(xt_ptrs, mask=m_mask[None, :], other=0.0)
         if NORM:
             xf = xt.to(tl.float32)
@@ -156,14 +134,8 @@ def _skinny_gemm_kernel(
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if FMA:
-        row_sum = tl.sum(acc2, axis=1)
-        row_sum_up = tl.sum(acc2_up, axis=1)
-        if PRELOAD_K > 0:
-            row_sum += acc_pre
-            if SILU_MUL:
-                row_sum_up += acc_pre_up
-        acc = tl.reshape(row_sum, (BLOCK_N, 1))
-        acc_up = tl.reshape(row_sum_up, (BLOCK_N, 1))
+        acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
+        acc_up = tl.reshape(tl.sum(acc2_up, axis=1), (BLOCK_N, 1))
     if NORM:
         inv_rms = tl.rsqrt(sum_sq / K + eps)
         acc = acc * inv_rms[None, :]
@@ -225,8 +197,6 @@ def _launch(
     split = cfg.split_k if residual is not None else 1
     assert k % (cfg.block_k * split) == 0, f"K={k} is not a multiple of block_k={cfg.block_k} x {split}"
     fma = cfg.fma and rows == 1
-    preload = min(cfg.preload_k, k) if fma and split == 1 else 0
-    assert preload == 0 or (preload & (preload - 1) == 0 and (k - preload) % cfg.block_k == 0), cfg
     block_m = 1 if fma else MAX_ROWS
     res = residual.reshape(rows, n) if residual is not None else out
     fp32 = x.dtype == torch.float32
@@ -238,7 +208,7 @@ def _launch(
         rows, n, k, up_offset, eps,
         flat.stride(0), w.stride(0), out.stride(0), res.stride(0),
         NORM=norm_w is not None, SILU_MUL=up_offset > 0, RESIDUAL=residual is not None, SPLIT_K=split,
-        FMA=fma, USE_PDL=use_pdl, PRELOAD_K=preload,
+        FMA=fma, USE_PDL=use_pdl,
         # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
         DOT_FP32=fp32 or _INTERPRETED, PRECISION="ieee" if fp32 or _INTERPRETED else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
