@@ -2,7 +2,9 @@
 
 At batch 1 with 8 KV heads, one program per (sequence, KV head) would occupy 8 of the GPU's ~132 SMs. So each
 (sequence, KV head) is cut into `num_splits` programs, each reducing its share of the sequence to a partial
-(max, sum, acc) in fp32, and a second small kernel merges the partials. The split count depends only on
+(max, sum, acc) in fp32. The last of them to finish merges the partials (a per-(sequence, KV head) ticket
+counter says which one is last), so there is no second launch; it merges in split order, so the result
+does not depend on which program finished last. The split count depends only on
 shapes (batch, heads, max_blocks, SM count), and each program computes its token range from seq_len on the
 device, so the launch is CUDA-graph capturable: no host syncs, the same grid for every step of a graph.
 
@@ -47,7 +49,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    scale,
+    tickets_ptr, scale,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -125,37 +127,60 @@ def _decode_split_kernel(
         )
     else:
         # Partials laid out [B, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0.
-        row = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=mask_g)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_g)
+        rows = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS
+        mine = rows + split
+        tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
+        tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
+        # Every thread's stores come before the ticket (barrier), and the ticket releases them to the GPU;
+        # the program drawing the last ticket acquires all of them.
+        tl.debug_barrier()
+        ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            _merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, rows, heads, mask_g,
+                            offs_d, mask_d, stride_oh, NUM_SPLITS, BLOCK_G, BLOCK_D)
+            tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr,
-    stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    rows = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml_ptr + rows * 2, mask=mask_s, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + rows * 2 + 1, mask=mask_s, other=0.0)
-    m_max = tl.max(m, axis=0)
+def _merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, rows, heads, mask_g, offs_d, mask_d, stride_oh,
+                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine NUM_SPLITS partials of each head in `heads` (split order). Loads bypass L1 (.cg): other
+    SMs wrote these rows, and this SM may hold stale lines from an earlier launch."""
+    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):  # a loop, not unrolled: unrolling hoists every load and spills
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (rows + s) * 2, mask=mask_g, other=float("-inf"),
+                                          cache_modifier=".cg"))
     # All splits empty (seq_len 0, graph padding): weights 0 and the output 0, never NaN.
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.where(mask_s & (m > float("-inf")), tl.exp(m - m_safe), 0.0)
-    acc = tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    total = tl.sum(weight * l_part, axis=0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):  # a loop, not unrolled: unrolling hoists every load and spills
+        m_s = tl.load(part_ml_ptr + (rows + s) * 2, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (rows + s) * 2 + 1, mask=mask_g, other=0.0, cache_modifier=".cg")
+        weight = tl.where(m_s > float("-inf"), tl.exp(m_s - m_safe), 0.0)
+        acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask_g[:, None],
+                        other=0.0, cache_modifier=".cg")
+        out += acc_s * weight[:, None]
+        total += weight * l_s
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_g[:, None] & mask_d[None, :])
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), kept for the process: each launch leaves them at
+    zero again. Grown only outside a CUDA-graph capture (the first, eager step of a shape allocates)."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("paged attention: ticket counters must be allocated before graph capture")
+        tickets = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
 
 
 def paged_decode_attention(
@@ -195,9 +220,10 @@ def paged_decode_attention(
         part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    tickets = _tickets(q.device, batch * num_kv_heads)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
-        scale,
+        tickets, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -207,14 +233,7 @@ def paged_decode_attention(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32 or q.dtype == torch.float32,
         # fp32 caches (tests) get exact fp32 products; bf16 values are exact in tf32 anyway.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl, num_warps=4, num_stages=2, **pdl,
+        # 8 warps: with 4, ptxas (sm_90) spills ~300 bytes a thread for the fp32 tiles.
+        USE_PDL=use_pdl, num_warps=8, num_stages=2, **pdl,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(batch, num_q_heads)](
-            part_acc, part_ml, out,
-            out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            USE_PDL=use_pdl, num_warps=4, **pdl,
-        )
     return out
