@@ -10,46 +10,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-# Model shapes. tiny fits the byte tokenizer (256 bytes + 3 specials) and runs on a CPU in milliseconds.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=512,
-        tie_embeddings=False,
-        max_model_len=256,
-    ),
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        num_layers=28,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        tie_embeddings=True,
-        max_model_len=4096,
-    ),
-    "qwen3-4b": dict(
-        hidden_size=2560,
-        num_layers=36,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=9728,
-        vocab_size=151936,
-        tie_embeddings=True,
-        max_model_len=4096,
-    ),
-}
-
-GRAPH_MODES = ("eager", "model", "step")
-KERNEL_CHOICES = ("auto", "torch", "triton")
-DEVICES = ("auto", "cpu", "cuda")
 SHAPE_FIELDS = (
     "hidden_size",
     "num_layers",
@@ -61,6 +21,22 @@ SHAPE_FIELDS = (
     "tie_embeddings",
     "max_model_len",
 )
+
+# Model shapes, one row each in SHAPE_FIELDS order. tiny fits the byte tokenizer (256 bytes + 3 specials) and
+# runs on a CPU in milliseconds.
+_PRESET_ROWS: dict[str, tuple] = {
+    #             hidden layers heads kv_heads head_dim intermediate vocab  tied   max_len
+    "tiny":       (128,   2,     4,    2,       32,      256,         512,    False, 256),
+    "qwen3-0.6b": (1024,  28,    16,   8,       128,     3072,        151936, True,  4096),
+    "qwen3-4b":   (2560,  36,    32,   8,       128,     9728,        151936, True,  4096),
+}
+PRESETS: dict[str, dict] = {
+    name: dict(zip(SHAPE_FIELDS, row, strict=True)) for name, row in _PRESET_ROWS.items()
+}
+
+GRAPH_MODES = ("eager", "model", "step")
+KERNEL_CHOICES = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass

@@ -28,9 +28,9 @@ Speculative decoding (roadmap: inside the one-graph step) fits this frame withou
 - the host side stays one copy in and one copy out per step; update_requests appends the accepted prefix
   and advances num_cached by the count. Rejected drafts' k/v need no cleanup: later steps overwrite them.
 
-Measured on an H200 (qwen3-4b shape, triton kernels, 2026-11-30 and again 2026-12-01 with the fused projections
-and PDL): greedy tokens of eager, model and step graphs (sync and async) were bit-identical at one request,
-200 of 200 tokens.
+Measured on an H200 (qwen3-4b shape, triton kernels, 2026-11-30 and again 2026-12-01 with the fused
+projections and PDL): greedy tokens of eager, model and step graphs (sync and async) were bit-identical at one
+request, 200 of 200 tokens.
 """
 
 from __future__ import annotations

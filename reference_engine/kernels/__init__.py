@@ -22,8 +22,9 @@ Triton is imported only when asked for, so the torch path works where Triton is 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from reference_engine.kernels import torch_ref
 from reference_engine.kernels.torch_ref import rope_cos_sin
@@ -44,37 +45,29 @@ class Kernels:
     linear_residual: Callable
 
 
+# Where each op of the Triton set lives (imported only when asked for).
+_TRITON_HOMES = {
+    "paged_decode_attention": "attention",
+    "fused_add_rmsnorm": "elementwise",
+    "rmsnorm": "elementwise",
+    "silu_and_mul": "elementwise",
+    "qk_norm_rope_cache": "rope",
+    "norm_linear": "decode_linear",
+    "norm_gate_up_silu": "decode_linear",
+    "linear_residual": "decode_linear",
+}
+
+
 def get_kernels(name: str) -> Kernels:
     """The op namespace for `name` in KERNEL_CHOICES. Raises ValueError for an unknown name."""
-    if name == "torch":
-        impl = torch_ref
-    elif name == "triton":
-        from reference_engine.kernels import attention, decode_linear, elementwise, rope
-
-        return Kernels(
-            name="triton",
-            paged_decode_attention=attention.paged_decode_attention,
-            fused_add_rmsnorm=elementwise.fused_add_rmsnorm,
-            rmsnorm=elementwise.rmsnorm,
-            silu_and_mul=elementwise.silu_and_mul,
-            qk_norm_rope_cache=rope.qk_norm_rope_cache,
-            norm_linear=decode_linear.norm_linear,
-            norm_gate_up_silu=decode_linear.norm_gate_up_silu,
-            linear_residual=decode_linear.linear_residual,
-        )
-    else:
+    if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    return Kernels(
-        name="torch",
-        paged_decode_attention=impl.paged_decode_attention,
-        fused_add_rmsnorm=impl.fused_add_rmsnorm,
-        rmsnorm=impl.rmsnorm,
-        silu_and_mul=impl.silu_and_mul,
-        qk_norm_rope_cache=impl.qk_norm_rope_cache,
-        norm_linear=impl.norm_linear,
-        norm_gate_up_silu=impl.norm_gate_up_silu,
-        linear_residual=impl.linear_residual,
-    )
+    ops = {}
+    for field in fields(Kernels)[1:]:
+        module = f"{__name__}.{_TRITON_HOMES[field.name]}"
+        home = torch_ref if name == "torch" else importlib.import_module(module)
+        ops[field.name] = getattr(home, field.name)
+    return Kernels(name=name, **ops)
 
 
 __all__ = ["KERNEL_CHOICES", "Kernels", "get_kernels", "rope_cos_sin"]
