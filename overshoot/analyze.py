@@ -38,6 +38,9 @@ RAW_STEP_COLUMNS = [
     "thread",
 ]
 _STR = pd.api.types.pandas_dtype("str")  # what dtype="str" means in this pandas
+# Values of the load_window column (runs with load levels), in code order: before the first level, inside
+# one, elsewhere. Machine-readable on purpose; the report says "warm-up".
+LOAD_WINDOWS = ("warmup", "level", "outside")
 # Columns the analyzer keeps beside the contract columns (whatif.py and mode detection need them).
 _INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline"]
 # GPU work that ends this long after its step's end counts as "still running when the step ended" (async).
@@ -68,7 +71,7 @@ def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
     df = raw.reset_index(drop=True)
     out = pd.DataFrame(
         {
-            "run_id": constant_str(run.run_id, len(df)),
+            "run_id": _str_column([run.run_id], np.zeros(len(df), "int8")),
             "pid": df["pid"].astype("int64"),
             "thread": df["thread"] if df["thread"].dtype == "str" else df["thread"].astype("str"),
             "step": df["step"].astype("int64"),
@@ -90,6 +93,7 @@ def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
     levels = (run.meta or {}).get("levels") or []
     if levels:
         out["concurrency"] = _level_of(out["start_ns"].to_numpy(), levels)
+        out["load_window"] = _load_window(out["start_ns"].to_numpy(), out["concurrency"], levels)
     for name in extra_fact_columns(raw):
         out[name] = df[name]
     out["end_ns"] = df["end_ns"].astype("int64")
@@ -143,14 +147,15 @@ def _timeline_codes(frame: pd.DataFrame, pids: pd.Index, threads: pd.Index) -> n
     return _expand(heads, np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1), len(frame))
 
 
-def constant_str(value: str, n: int) -> pd.Series:
-    """`n` times `value` as dtype "str", built by Arrow when "str" is Arrow-backed (pandas >= 3): the plain
-    pd.Series(value, index=..., dtype="str") goes through n Python objects (~0.1 s per million rows)."""
-    if not isinstance(_STR, pd.StringDtype):  # older pandas: "str" means object strings
-        return pd.Series(value, index=pd.RangeIndex(n), dtype="str")
+def _str_column(names: list[str], codes: np.ndarray) -> pd.Series:
+    """names[codes] as dtype "str". When "str" is Arrow-backed (pandas >= 3) it is built by Arrow, a take
+    from the few names: pd.Series(value, index=..., dtype="str") goes through a Python object per row
+    (~0.1 s per million rows)."""
+    if getattr(_STR, "storage", None) != "pyarrow":  # older pandas or Python-backed strings
+        return pd.Series(np.asarray(names, dtype=object)[codes], dtype="str")
     import pyarrow as pa
 
-    return pd.Series(pd.array(pa.repeat(pa.scalar(value, pa.large_string()), n), dtype=_STR))
+    return pd.Series(pd.array(pa.array(names, pa.large_string()).take(pa.array(codes)), dtype=_STR))
 
 
 def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, threads: pd.Index):
@@ -178,9 +183,10 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
         mine = gpu_code == code[lo]
         if not mine.any():
             continue
-        g_step = gpu["step"].to_numpy()[mine]
-        s = gpu["gpu_start_ns"].to_numpy(dtype="float64")[mine]
-        e = gpu["gpu_end_ns"].to_numpy(dtype="float64")[mine]
+        pick: np.ndarray | slice = slice(None) if mine.all() else mine  # one timeline: no masked copies
+        g_step = gpu["step"].to_numpy()[pick]
+        s = gpu["gpu_start_ns"].to_numpy(dtype="float64")[pick]
+        e = gpu["gpu_end_ns"].to_numpy(dtype="float64")[pick]
         if not np.all(np.diff(g_step) > 0):  # out of order or repeated steps: one interval per step, sorted
             g = pd.DataFrame({"step": g_step, "s": s, "e": e}).groupby("step", as_index=False)
             g = g.agg(s=("s", "min"), e=("e", "max")).sort_values("s", kind="stable")
@@ -194,10 +200,24 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
         if not step_index.is_unique:
             step_index = step_index.where(~step_index.duplicated(), -(2**62))
         pos = step_index.get_indexer(g_step)
-        ok = pos >= 0
-        rows = lo + pos[ok]
+        if len(pos) == hi - lo and np.array_equal(pos, np.arange(hi - lo)):
+            rows: np.ndarray | slice = slice(lo, hi)  # every step has GPU work, same order: no scatter
+            ok: np.ndarray | slice = slice(None)
+        else:
+            ok = pos >= 0
+            rows = lo + pos[ok]
         start[rows], end[rows], idle_ms[rows] = s[ok], e[ok], np.maximum(gap[ok], 0.0) / 1e6
     return start, end, idle_ms
+
+
+def _load_window(start_ns: np.ndarray, concurrency: pd.Series, levels: list[dict]) -> pd.Series:
+    """Where each step falls in the load sweep (docs/schema.md, column load_window): "level" inside a load
+    level, "warmup" before the first level starts (server warm-up, calibration and warm-up requests),
+    "outside" otherwise (between levels or after the last)."""
+    first_start = min(lv["start_ns"] for lv in levels)
+    inside = concurrency.notna().to_numpy()
+    codes = np.where(inside, 1, np.where(start_ns < first_start, 0, 2)).astype("int8")
+    return _str_column(list(LOAD_WINDOWS), codes)
 
 
 def _level_of(start_ns: np.ndarray, levels: list[dict]) -> pd.Series:
@@ -352,20 +372,31 @@ def summarize(
     for w in what_ifs:
         timeline[f"whatif:{w.label}"] = proj.projected_ms[w.label]
     kept = drop_warmup(timeline, warmup_steps)
-    outside_levels = 0
+    left_out = ""
     if "concurrency" in kept.columns:
-        # Steps outside every load level (server warm-up, the drain after a level) would form groups of
-        # their own under no load that the user did not ask about; they stay in the steps table.
+        # Steps outside every load level (the warm-up before the first level, steps between levels) would
+        # form groups of their own under no load that the user did not ask about; they stay in the steps
+        # table (column load_window says which).
         outside = kept["concurrency"].isna().to_numpy()
         if outside.any() and not outside.all():
-            outside_levels = int(outside.sum())
+            left_out = _left_out_note(kept["load_window"][outside])
             kept = kept[~outside]
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
     groups = _aggregate(kept, keys, what_ifs, cpu_bound_ms)
     notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
-    if outside_levels:
-        notes.insert(1, f"{outside_levels} steps outside every load level (e.g. warm-up) are not summarised")
+    if left_out:
+        notes.insert(1, left_out)
     return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
+
+
+def _left_out_note(windows: pd.Series) -> str:
+    """'38 warm-up steps (before the first load level) and 5 steps outside every load level are not
+    summarised' (either part alone when the other is empty)."""
+    warm = int((windows == LOAD_WINDOWS[0]).sum())
+    parts = [f"{warm} warm-up steps (before the first load level)"] if warm else []
+    if len(windows) > warm:
+        parts.append(f"{len(windows) - warm} steps outside every load level")
+    return f"{' and '.join(parts)} are not summarised"
 
 
 def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -402,6 +433,8 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
     by_group = medians.groupby(group_id, sort=True)
     median = by_group.median()
     out = df[keys].iloc[first_row].reset_index(drop=True)
+    if "concurrency" in keys and "load_window" in df.columns:
+        out.insert(len(keys), "load_window", _group_windows(df, out, total, count))
     out["steps"] = count
     out["step_ms_median"] = median["step_ms"].to_numpy()
     out["step_ms_p90"] = by_group["step_ms"].quantile(0.9).to_numpy()
@@ -421,13 +454,24 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
     return out.replace([np.inf, -np.inf], np.nan)
 
 
+def _group_windows(df: pd.DataFrame, groups: pd.DataFrame, total, count: np.ndarray) -> np.ndarray:
+    """load_window of each group: "level" for a load level's group; a group without a level (only when no
+    step of the timeline is inside any level) is "warmup" when all its steps are, else "outside"."""
+    level = groups["concurrency"].notna().to_numpy()
+    if level.all():
+        return np.full(len(groups), LOAD_WINDOWS[1], dtype=object)
+    warm = total((df["load_window"] == LOAD_WINDOWS[0]).to_numpy(dtype="float64"))
+    return np.where(level, LOAD_WINDOWS[1], np.where(warm == count, LOAD_WINDOWS[0], LOAD_WINDOWS[2]))
+
+
 def group_title(row: dict, keys: list[str]) -> str:
     """'decode @ 4 requests, batch 4' (with levels) or 'decode @ batch 4'."""
     batch = f"batch {row['batch_size']}"
     if "concurrency" in keys:
         level = row.get("concurrency")
         if level is None or pd.isna(level):
-            return f"{row['phase']} @ no load level, {batch}"
+            where = "warm-up" if row.get("load_window") == LOAD_WINDOWS[0] else "no load level"
+            return f"{row['phase']} @ {where}, {batch}"
         noun = "request" if int(level) == 1 else "requests"
         return f"{row['phase']} @ {int(level)} {noun}, {batch}"
     return f"{row['phase']} @ {batch}"

@@ -34,6 +34,7 @@ STEPS_TYPES = {
     "gpu_idle_before_ms": pa.float64(),
     "cpu_bound": pa.bool_(),
     "concurrency": pa.int32(),
+    "load_window": pa.string(),
 }
 SPANS_TYPES = {
     "pid": pa.int64(),

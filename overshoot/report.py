@@ -47,9 +47,50 @@ def build_report(
         "what_ifs": [w.label for w in what_ifs],
         "groups": groups,
         "client": client_stats(run.client),
+        "hook_problems": hook_problems(run),
         "notes": summary.notes,
         "warnings": list(run.warnings),
     }
+
+
+def hook_problems(run) -> list[dict]:
+    """Hooks that were disabled or failed, one entry per (target, role): {target, role, status, reason}.
+
+    From meta.json["hooks"] (written by `overshoot run`: every process's statuses), else from the recorders'
+    process json (a server started with the hooks by hand). A target counts as it fared best in any process
+    (as `overshoot run` prints it): "disabled" when no process installed it; "failed" when it is installed
+    but part of it was switched off at run time (its facts or GPU events raised, status "installed" with a
+    reason). Targets still pending (their module never imported) are not problems of the hooks.
+    """
+    meta_hooks = (run.meta or {}).get("hooks")
+    if isinstance(meta_hooks, list):
+        entries = meta_hooks
+    else:
+        entries = [dict(h, pid=p.get("pid")) for p in run.processes for h in p.get("hooks") or []]
+    rank = {"installed": 0, "pending": 1, "disabled": 2}
+    best: dict[tuple, dict] = {}
+    for e in entries:
+        if not isinstance(e, dict):
+            continue
+        key = (e.get("target", "?"), e.get("role", ""))
+        if key not in best or rank.get(e.get("status"), 3) < rank.get(best[key].get("status"), 3):
+            best[key] = e
+    problems = []
+    for (target, role), e in best.items():
+        status, reason = e.get("status"), e.get("reason") or ""
+        if status == "installed" and reason:
+            status = "failed"
+        if status in ("disabled", "failed"):
+            problems.append({"target": target, "role": role, "status": status, "reason": reason})
+    return problems
+
+
+def hooks_line(problems: list[dict]) -> str:
+    """The one line under the report's table: 'hooks disabled or failed (2): T (busy) disabled: why; ...'."""
+    items = [
+        f"{p['target']} ({p['role']}) {p['status']}: {p['reason'] or 'no reason given'}" for p in problems
+    ]
+    return f"hooks disabled or failed ({len(items)}): " + "; ".join(items)
 
 
 def _plain(value):
@@ -140,7 +181,7 @@ def render(report: dict, console: Console) -> None:
     for label in report["what_ifs"]:
         table.add_column(f"step if\n{label}", justify="right", no_wrap=True)
     for g in report["groups"]:
-        cells = [_num(g.get("concurrency"), "d")] if "concurrency" in keys else []
+        cells = [_level_cell(g)] if "concurrency" in keys else []
         cells += [
             g["phase"],
             str(g["batch_size"]),
@@ -160,12 +201,20 @@ def render(report: dict, console: Console) -> None:
         ]
         table.add_row(*cells)
     console.print(table)
+    if report.get("hook_problems"):  # right under the table: these numbers lack what those hooks measure
+        console.print(hooks_line(report["hook_problems"]), highlight=False, markup=False)
     for g in report["groups"]:
         console.print(f"- {g['verdict']}", highlight=False)
     if report["client"]:
         console.print(_client_table(report["client"]))
     for note in report["notes"]:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)
+
+
+def _level_cell(group: dict) -> str:
+    if group.get("concurrency") is None:
+        return "warm-up" if group.get("load_window") == "warmup" else "-"
+    return str(group["concurrency"])
 
 
 def _table(title: str) -> Table:
@@ -289,6 +338,9 @@ def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None
                 end_section=i == len(spec) - 1,
             )
     console.print(table)
+    for name, rep in (("A", a), ("B", b)):
+        if rep.get("hook_problems"):
+            console.print(f"{name}: {hooks_line(rep['hook_problems'])}", highlight=False, markup=False)
     if not rows:
         console.print("no group (level, phase, batch size) is present in both runs", highlight=False)
     client_rows = compare_client(a, b)

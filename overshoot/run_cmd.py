@@ -29,6 +29,9 @@ from overshoot.load import LoadError, LoadPlan, LoadResults, run_sweep
 from overshoot.run_dir import host_info, now_iso, read_meta, update_meta, versions, write_meta
 
 DEFAULT_PORT = 8000  # where a server command without {port} is expected to listen (vLLM's default)
+# `python -m reference_engine serve` without --async-scheduling runs synchronously (tests/test_run.py checks
+# this against the engine's own argument parser).
+REFERENCE_ASYNC_DEFAULT = False
 
 
 class Terminated(KeyboardInterrupt):
@@ -43,6 +46,19 @@ class RunFailed(Exception):
     def __init__(self, message: str, code: int = 1, *, log: str = ""):
         super().__init__(message)
         self.code, self.log = code, log
+
+
+def async_scheduling_of(command: list[str]) -> bool | None:
+    """Whether the server runs with async scheduling, when its command tells: the last
+    --async-scheduling / --no-async-scheduling flag (the reference engine's, also vLLM's), else the
+    reference engine's default. None when unknown (another engine's default, which may change by version).
+    Recorded in meta.json for the report: without GPU times, the data cannot tell sync from async."""
+    for arg in reversed(command):
+        if arg in ("--async-scheduling", "--no-async-scheduling"):
+            return arg == "--async-scheduling"
+    if registry.engine_for_command(command) == "reference":
+        return REFERENCE_ASYNC_DEFAULT
+    return None
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -151,11 +167,13 @@ def execute(o: RunOptions) -> int:
     options = dict(vars(o), out=str(run_dir), port=port, engine=engine, hooks=extra_specs)
     options.update(concurrency=list(levels))
     del options["command"]
+    scheduling = async_scheduling_of(command)
     write_meta(run_dir, {
         "run_id": run_dir.name, "created": now_iso(), "tool": "overshoot run",
         "engine": None if engine == "auto" else engine,
         "command": command, "embedded_default": embedded, "options": options, "host": host_info(),
         "versions": versions(), "server_log": "server.log", "status": "starting",
+        **({} if scheduling is None else {"async_scheduling": scheduling}),
     })  # fmt: skip
     console = Console()
     header = f"overshoot run: {run_dir} · server: {' '.join(command)}"

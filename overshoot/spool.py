@@ -165,9 +165,10 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
     """All chunks of one raw table across recorders, with `pid` (int64) and `thread` (str) columns added.
 
     Segments with different extra facts are merged by name (missing values are null; int/float widen).
-    The result has one contiguous chunk per column and owns its memory: left as read, a million steps are
-    ~4,000 chunks (one per flush) that pandas converts one by one, and the string columns would keep every
-    memory-mapped spool file mapped, and resident, for as long as the Run lives.
+    String columns come back as one contiguous `large_string` chunk each (what pandas' "str" dtype holds):
+    left as read, a million steps are ~4,000 chunks (one per flush) that pandas casts one by one, and the
+    strings, which pandas keeps as Arrow memory, would pin every memory-mapped spool file (resident) for as
+    long as the Run lives. Numeric columns stay chunked: the conversion to numpy copies them anyway.
     """
     base = BASE_SCHEMAS[table]
     parts: list[pa.Table] = []
@@ -192,8 +193,16 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
         parts.append(part)
     if not parts:
         empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", pa.string()))
-        return empty.empty_table()
-    return pa.concat_tables(parts, promote_options="permissive").combine_chunks()
+        parts = [empty.empty_table()]
+    merged = pa.concat_tables(parts, promote_options="permissive")
+    return pa.Table.from_arrays([_own_strings(c) for c in merged.columns], names=merged.column_names)
+
+
+def _own_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string column as one contiguous large_string chunk in fresh memory; any other column as it is."""
+    if not pa.types.is_string(column.type):
+        return column
+    return pa.chunked_array([column.combine_chunks().cast(pa.large_string())])
 
 
 # ---- writing side of one recorder: its json and its chunks -------------------------------------------------

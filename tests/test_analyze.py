@@ -64,10 +64,12 @@ def test_concurrency_levels_warmup_and_threshold(tmp_path):
     ]
     run = load_run(write_run(tmp_path / "r", frames, meta={"levels": levels}))
     table = steps_table(run)
-    assert list(table.columns) == STEP_COLUMNS + ["concurrency"]
-    assert str(table["concurrency"].dtype) == "Int32"
+    assert list(table.columns) == STEP_COLUMNS + ["concurrency", "load_window"]
+    assert str(table["concurrency"].dtype) == "Int32" and str(table["load_window"].dtype) == "str"
     assert table["concurrency"].iloc[:40].eq(1).all() and table["concurrency"].iloc[40:90].eq(4).all()
     assert table["concurrency"].iloc[90:].isna().all()
+    assert table["load_window"].iloc[:90].eq("level").all()
+    assert table["load_window"].iloc[90:].eq("outside").all()
     warm = steps_table(run, warmup_steps=5)
     assert len(warm) == 100 - 5 * 3  # per level, and the steps outside every level form their own group
     assert 40 not in set(warm["step"]) and 45 in set(warm["step"])

@@ -135,6 +135,7 @@ def test_export_parquet_csv_with_exact_schema(runs, tmp_path):
         "gpu_idle_before_ms": "double",
         "cpu_bound": "bool",
         "concurrency": "int32",
+        "load_window": "string",
     }
     df = pd.read_parquet(out)
     # async: the last record only waits, so it has no GPU work; the first GPU work has no gap before it
@@ -276,3 +277,70 @@ def test_report_rendered_to_a_fixed_width_console(tmp_path):
         "decode @ batch 1: CPU busy 50% of the step; 0% of steps CPU-bound; GPU idle 50%; a 10% faster GPU "
         "step would shorten steps by 5.0%; a 10% faster CPU work per step would shorten steps by 5.0%"
     ) in " ".join(text.split())
+
+
+def test_report_prints_disabled_and_failed_hooks_under_the_table(tmp_path, capsys):
+    frames = simulate_timeline(40, mode="sync")
+    hooks = [
+        {"target": "engine:Engine.step", "role": "step", "status": "installed", "reason": "", "pid": 1},
+        {"target": "engine:Engine.schedule_v2", "role": "busy", "status": "disabled",
+         "reason": "engine has no attribute Engine.schedule_v2", "pid": 1},
+        {"target": "engine:Engine.schedule", "role": "busy", "status": "installed",
+         "reason": "facts disabled: KeyError: 'num_seqs'", "pid": 1},
+        {"target": "engine:Engine.launch", "role": "gpu", "status": "disabled", "reason": "old", "pid": 1},
+        {"target": "engine:Engine.launch", "role": "gpu", "status": "installed", "reason": "", "pid": 2},
+        {"target": "other:Loop.run", "role": "step", "status": "pending", "reason": "", "pid": 1},
+    ]  # fmt: skip
+    run = write_run(tmp_path / "hooked", frames, meta={"hooks": hooks})
+    report = build_report(load_run(run))
+    assert [(p["target"], p["status"]) for p in report["hook_problems"]] == [
+        ("engine:Engine.schedule_v2", "disabled"),
+        ("engine:Engine.schedule", "failed"),
+    ]  # launch is installed in process 2; a pending target is no problem of the hooks
+    console = Console(width=200, record=True, color_system=None)
+    render(report, console)
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    at = next(i for i, line in enumerate(lines) if line.startswith("hooks disabled or failed"))
+    assert lines[at] == (
+        "hooks disabled or failed (2): engine:Engine.schedule_v2 (busy) disabled: engine has no attribute "
+        "Engine.schedule_v2; engine:Engine.schedule (busy) failed: facts disabled: KeyError: 'num_seqs'"
+    )
+    # right under the table's last row, before the verdicts
+    assert lines[at - 1].startswith("decode") and lines[at + 1].startswith("- decode @ batch 1")
+
+    result = overshoot("report", run)
+    assert result.returncode == 0, result.stderr
+    assert "hooks disabled or failed (2): engine:Engine.schedule_v2 (busy) disabled" in result.stdout
+    assert overshoot("report", run, "--json").stdout.count('"status": "disabled"') == 1
+    clean = overshoot("report", write_run(tmp_path / "clean", frames, meta={"hooks": hooks[:1]}))
+    assert clean.returncode == 0 and "hooks disabled" not in clean.stdout
+
+
+def test_steps_before_the_first_level_are_warm_up(tmp_path):
+    frames = simulate_timeline(100, mode="sync")
+    starts = frames.steps["start_ns"]
+    levels = [
+        {"concurrency": 1, "start_ns": int(starts[20]), "end_ns": int(starts[50])},
+        {"concurrency": 2, "start_ns": int(starts[60]), "end_ns": int(starts[95])},
+    ]
+    run = write_run(tmp_path / "r", frames, meta={"levels": levels})
+    out = tmp_path / "steps.csv"
+    assert overshoot("export", run, "-o", out).returncode == 0
+    window = pd.read_csv(out).set_index("step")["load_window"]
+    assert (window.loc[:19] == "warmup").all() and (window.loc[20:49] == "level").all()
+    assert (window.loc[50:59] == "outside").all() and (window.loc[95:] == "outside").all()
+    result = overshoot("report", run)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "20 warm-up steps (before the first load level) and 15 steps outside every load level are not" \
+        " summarised" in text
+    assert "no load level" not in text
+    # No step inside any level: the groups are the steps themselves, labelled by their window.
+    after = int(starts.iloc[-1])
+    late = [{"concurrency": 4, "start_ns": after + 10**9, "end_ns": after + 10**10}]
+    report = build_report(load_run(write_run(tmp_path / "late", frames, meta={"levels": late})))
+    (group,) = report["groups"]
+    assert group["load_window"] == "warmup" and group["title"] == "decode @ warm-up, batch 1"
+    console = Console(width=120, record=True, color_system=None)
+    render(report, console)
+    assert "warm-up decode" in console.export_text()

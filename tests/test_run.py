@@ -102,6 +102,7 @@ def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
     assert "server ready" in result.stdout and "overshoot report" in result.stdout
     meta = meta_of(run_dir)
     assert meta["status"] == "ok" and meta["exit_status"] == 0 and meta["engine"] == "reference"
+    assert meta["async_scheduling"] is False  # the embedded default command has no --async-scheduling
     assert [level["concurrency"] for level in meta["levels"]] == [1, 4]
     assert all(level["start_ns"] < level["end_ns"] for level in meta["levels"])
     assert_gone(meta["server_pid"])
@@ -127,6 +128,10 @@ def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
         assert len(in_level) >= (tokens - 4) / level
         assert in_level["batch_size"].max() <= level
     assert (steps["wait_ms"] > 0).any()
+    # the prompt calibration and the first level's warm-up requests ran before level 1: warm-up steps
+    first = steps.sort_values("start_ns").drop_duplicates("load_window")["load_window"].tolist()
+    assert first[:2] == ["warmup", "level"]
+    assert steps["concurrency"].isna().eq(steps["load_window"] != "level").all()
 
 
 def test_run_records_spans_and_hook_status(sweep):
@@ -144,6 +149,11 @@ def test_run_records_spans_and_hook_status(sweep):
     renamed = [h for h in hooks if h["target"].endswith("Engine.schedule_v2")]
     assert renamed and all(h["status"] == "disabled" and "not found" in h["reason"] for h in renamed)
     assert "hook reference_engine.engine:Engine.schedule_v2 (busy) disabled" in result.stdout
+    # ... and under the report's table, in `overshoot run`'s report and in `overshoot report`'s
+    line = "hooks disabled or failed (1): reference_engine.engine:Engine.schedule_v2 (busy) disabled:"
+    assert line in " ".join(result.stdout.split())
+    report = overshoot("report", run_dir)
+    assert report.returncode == 0 and line in " ".join(report.stdout.split()), report.stdout + report.stderr
     log = (run_dir / "server.log").read_text()
     assert log.count("overshoot: hook reference_engine.engine:Engine.schedule_v2") == 1
 
@@ -252,3 +262,17 @@ def test_bad_options_fail_before_starting_anything(tmp_path):
     result = overshoot("run", "--hooks", tmp_path / "missing.py:SPEC", "--out", tmp_path / "run")
     assert result.returncode == 2 and "--hooks: no such file" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_run_records_async_scheduling_from_the_server_command():
+    from overshoot.run_cmd import REFERENCE_ASYNC_DEFAULT, async_scheduling_of
+    from reference_engine.__main__ import build_parser
+
+    assert build_parser().parse_args(["serve"]).async_scheduling is REFERENCE_ASYNC_DEFAULT
+    reference = [sys.executable, "-m", "reference_engine", "serve", "--preset", "tiny"]
+    assert async_scheduling_of(reference) is REFERENCE_ASYNC_DEFAULT
+    assert async_scheduling_of([*reference, "--async-scheduling"]) is True
+    assert async_scheduling_of([*reference, "--async-scheduling", "--no-async-scheduling"]) is False
+    vllm = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert async_scheduling_of(vllm) is None  # vLLM's default is not ours to guess
+    assert async_scheduling_of([*vllm, "--async-scheduling"]) is True
