@@ -7,6 +7,7 @@ import math
 import pandas as pd
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from overshoot.analyze import group_title, summarize
@@ -157,13 +158,33 @@ def _num(value, fmt: str = ".2f") -> str:
 
 
 def render(report: dict, console: Console) -> None:
+    table = _groups_table(report, report["what_ifs"])
+    wide = console.options.update_width(10_000)  # measure unclamped: Measurement caps at the options width
+    narrow = report["what_ifs"] and Measurement.get(console, wide, table).maximum > console.width
+    if narrow:  # the what-if numbers are also in the verdict lines: drop them before any number is cut
+        table = _groups_table(report, [])
+    console.print(table)
+    if narrow:
+        console.print("(what-if columns left out at this width: see the lines below, or widen the terminal)",
+                      highlight=False)
+    if report.get("hook_problems"):  # right under the table: these numbers lack what those hooks measure
+        console.print(hooks_line(report["hook_problems"]), highlight=False, markup=False)
+    for g in report["groups"]:
+        console.print(f"- {g['verdict']}", highlight=False)
+    if report["client"]:
+        console.print(_client_table(report["client"]))
+    for note in report["notes"]:
+        console.print(f"[dim]note: {note}[/dim]", highlight=False)
+
+
+def _groups_table(report: dict, what_ifs: list[str]) -> Table:
     keys = report["group_keys"]
     title = f"overshoot report: {report['run_id']}" + (
         f" ({report['engine']})" if report.get("engine") else ""
     )
     table = _table(title)
     if "concurrency" in keys:
-        table.add_column("level", justify="right")
+        table.add_column("level", justify="right", no_wrap=True)
     for name in (
         "phase",
         "batch",
@@ -178,7 +199,7 @@ def render(report: dict, console: Console) -> None:
         "CPU\nshare",
     ):
         table.add_column(name, justify="left" if name == "phase" else "right", no_wrap=True)
-    for label in report["what_ifs"]:
+    for label in what_ifs:
         table.add_column(f"step if\n{label}", justify="right", no_wrap=True)
     for g in report["groups"]:
         cells = [_level_cell(g)] if "concurrency" in keys else []
@@ -197,18 +218,10 @@ def render(report: dict, console: Console) -> None:
         ]
         cells += [
             _num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
-            for label in report["what_ifs"]
+            for label in what_ifs
         ]
         table.add_row(*cells)
-    console.print(table)
-    if report.get("hook_problems"):  # right under the table: these numbers lack what those hooks measure
-        console.print(hooks_line(report["hook_problems"]), highlight=False, markup=False)
-    for g in report["groups"]:
-        console.print(f"- {g['verdict']}", highlight=False)
-    if report["client"]:
-        console.print(_client_table(report["client"]))
-    for note in report["notes"]:
-        console.print(f"[dim]note: {note}[/dim]", highlight=False)
+    return table
 
 
 def _level_cell(group: dict) -> str:

@@ -279,6 +279,26 @@ def test_report_rendered_to_a_fixed_width_console(tmp_path):
     ) in " ".join(text.split())
 
 
+def test_narrow_console_drops_what_if_columns_before_cutting_numbers(tmp_path):
+    """At 80 columns a report with load levels and two what-ifs does not fit: the what-if columns go (their
+    numbers stay in the verdict lines), and the level column and every number survive intact."""
+    frames = simulate_timeline(100, mode="sync", cpu_ms=1.0, gpu_ms=1.2, post_ms=0.2)
+    starts = frames.steps["start_ns"]
+    levels = [
+        {"concurrency": 1, "start_ns": int(starts[0]), "end_ns": int(starts[50])},
+        {"concurrency": 16, "start_ns": int(starts[50]), "end_ns": int(starts.iloc[-1]) + 10**9},
+    ]
+    report = build_report(load_run(write_run(tmp_path / "levels", frames, meta={"levels": levels})))
+    narrow, wide = (Console(width=w, record=True, color_system=None) for w in (80, 120))
+    render(report, narrow)
+    render(report, wide)
+    narrow_text, wide_text = narrow.export_text(), wide.export_text()
+    assert "level phase  batch steps" in narrow_text and "…" not in narrow_text
+    assert "   16 decode     1    50 2.40 2.40 1.21 1.20 1.20    0%" in narrow_text
+    assert "gpu-10%" not in narrow_text and "what-if columns left out" in narrow_text
+    assert "gpu-10% cpu-10%" in wide_text and "what-if columns left out" not in wide_text
+
+
 def test_report_prints_disabled_and_failed_hooks_under_the_table(tmp_path, capsys):
     frames = simulate_timeline(40, mode="sync")
     hooks = [
