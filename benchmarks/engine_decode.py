@@ -34,6 +34,10 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "default": None,
     "dot-no-pdl": lambda cfg, n, k, rows, silu: cfg if cfg.fma else dataclasses.replace(cfg, pdl=False),
     "gate-up-pdl": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, pdl=True) if silu else cfg,
+    # o_proj at one row: 4 x 512 tiles (30 registers, every program resident) instead of 8 x 1024 (116)
+    "o-narrow": lambda cfg, n, k, rows, silu: (
+        dataclasses.replace(cfg, block_n=4, block_k=512) if cfg.fma and 4096 <= k < 8192 else cfg
+    ),
 }
 
 
