@@ -166,32 +166,21 @@ class Qwen3Model:
         cfg = self.config
         tokens = x.shape[0]
         qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps)
+        heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+        if layer.q_norm is not None and not meta.is_prefill:  # Qwen3 decode: prologue and attention, one op
+            out = self.ops.decode_attention_from_qkv(
+                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, self.scale, eps=cfg.rms_norm_eps, **heads,
+            )
+            return out.reshape(tokens, -1)
         if layer.q_norm is not None:
             q, k, v = self.ops.qk_norm_rope_cache(
-                qkv,
-                layer.q_norm,
-                layer.k_norm,
-                self.cos,
-                self.sin,
-                positions,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                num_q_heads=cfg.num_heads,
-                num_kv_heads=cfg.num_kv_heads,
-                eps=cfg.rms_norm_eps,
+                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, k_cache, v_cache,
+                meta.slot_mapping, eps=cfg.rms_norm_eps, **heads,
             )
         else:
             q, k, v = _rope_and_cache(
-                qkv,
-                self.cos,
-                self.sin,
-                positions,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                num_q_heads=cfg.num_heads,
-                num_kv_heads=cfg.num_kv_heads,
+                qkv, self.cos, self.sin, positions, k_cache, v_cache, meta.slot_mapping, **heads
             )
         if not meta.is_prefill:
             out = self.ops.paged_decode_attention(

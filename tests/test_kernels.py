@@ -171,6 +171,39 @@ def test_qk_norm_rope_cache(dtype, gen):
     assert torch.equal(outs[0][2], qkv.view(tokens, -1, head_dim)[:, num_q_heads + num_kv_heads:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_from_qkv(dtype, num_splits, gen):
+    """The one-launch decode attention (norm + RoPE + cache write inside) against the two reference ops:
+    same output, same cache (the current token written at its slot, nothing else touched); rows at seq_len
+    1, 37 and 130 put the current token in the first, middle and last split."""
+    num_q_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    seq_lens = [1, 37, 130]
+    _, k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        batch=3, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, seq_lens=seq_lens, dtype=dtype, gen=gen)
+    qkv = randn(3, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q_weight, k_weight = randn(head_dim, dtype=dtype, gen=gen), randn(head_dim, dtype=dtype, gen=gen)
+    cos, sin = rope_cos_sin(256, head_dim, 1e6, device=DEVICE)
+    tables = block_tables.long().cpu()
+    slots = torch.tensor([int(tables[r, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for r, n in enumerate(seq_lens)], device=DEVICE)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=1e-6)
+    from reference_engine.kernels import attention
+
+    args = (qkv, q_weight, k_weight, cos, sin)
+    got = attention.decode_attention_from_qkv(*args, *caches[0], slots, block_tables, seq_lens_t, 0.2,
+                                              num_splits=num_splits, **kwargs)
+    want = REF.decode_attention_from_qkv(*args, *caches[1], slots, block_tables, seq_lens_t, 0.2, **kwargs)
+    atol = 6e-2 if dtype == torch.bfloat16 else None
+    assert_close(got, want, dtype, atol=atol)
+    for actual, expected, before in zip(caches[0], caches[1], (k_cache, v_cache), strict=True):
+        assert_close(actual, expected, dtype, atol=atol)
+        changed = (actual != before).flatten(2).any(2).any(1).nonzero().flatten()
+        assert sorted(changed.tolist()) == sorted({int(s) // block_size for s in slots.tolist()})
+
+
 def test_torch_reference_rope_is_a_rotation(gen):
     """The reference itself: RoPE at position 0 is the identity and keeps norms at every position."""
     head_dim = 16

@@ -16,6 +16,9 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
   compose cuBLAS with the Triton row kernels above that (prefill).
 - qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache, slot_mapping,
   *, num_q_heads, num_kv_heads, eps) -> (q, k, v): Qwen3's attention prologue; cos/sin from rope_cos_sin().
+- decode_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache, slot_mapping,
+  block_tables, seq_lens, scale, *, num_q_heads, num_kv_heads, eps) -> [B, Hq, D]: the two above in one
+  decode step (position = seq_len - 1); the Triton version is one launch.
 
 Triton is imported only when asked for, so the torch path works where Triton is missing.
 """
@@ -43,6 +46,7 @@ class Kernels:
     norm_linear: Callable
     norm_gate_up_silu: Callable
     linear_residual: Callable
+    decode_attention_from_qkv: Callable
 
 
 # Where each op of the Triton set lives (imported only when asked for).
@@ -55,6 +59,7 @@ _TRITON_HOMES = {
     "norm_linear": "decode_linear",
     "norm_gate_up_silu": "decode_linear",
     "linear_residual": "decode_linear",
+    "decode_attention_from_qkv": "attention",
 }
 
 

@@ -50,6 +50,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tickets_ptr, scale,
+    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, eps,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -57,7 +58,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
@@ -77,10 +78,34 @@ def _decode_split_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :], other=0.0,
-    )
+    if FROM_QKV:
+        # q_ptr is the qkv projection: q/k RMSNorm + RoPE happen here (no separate launch). The program whose
+        # range holds the current token (position seq_len - 1) also writes its k and v to the cache, then
+        # reads them back with the history below: the same program, so a barrier makes them visible.
+        pos = tl.maximum(seq_len - 1, 0)
+        row = q_ptr + seq * stride_qb
+        q = _norm_rope(row + heads[:, None] * HEAD_DIM, q_norm_ptr, cos_ptr + pos * stride_cos,
+                       sin_ptr + pos * stride_cos, mask_g[:, None], eps, HEAD_DIM, BLOCK_D // 2)
+        if (start <= pos) & (pos < end):
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            if slot >= 0:
+                one = offs_g < 1  # row 0 of a [BLOCK_G, D] tile: the one k/v head of this program
+                src = row + (NUM_Q_HEADS + kv_head + 0 * offs_g)[:, None] * HEAD_DIM
+                k_new = _norm_rope(src, k_norm_ptr, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_cos,
+                                   one[:, None], eps, HEAD_DIM, BLOCK_D // 2)
+                v_new = tl.load(src + num_kv_heads * HEAD_DIM + offs_d[None, :], mask=one[:, None], other=0.0)
+                k_dst = k_cache_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt \
+                    + kv_head * stride_kh + offs_d[None, :] + 0 * offs_g[:, None]
+                v_dst = v_cache_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt \
+                    + kv_head * stride_vh + offs_d[None, :] + 0 * offs_g[:, None]
+                tl.store(k_dst, k_new, mask=one[:, None])
+                tl.store(v_dst, v_new, mask=one[:, None])
+            tl.debug_barrier()
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+        )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -143,6 +168,28 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _norm_rope(head_ptrs, w_ptr, cos_row, sin_row, mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """RMSNorm (weight w) then neox RoPE of the heads at head_ptrs [BLOCK_G, 1] -> [BLOCK_G, HEAD_DIM], in the
+    input dtype, rounded where rope.py (and torch_ref) round, so both paths cache the same k."""
+    offs = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(head_ptrs + offs, mask=mask, other=0.0)
+    x2 = tl.load(head_ptrs + HALF + offs, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + offs).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+    a = (w1 * (a * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    b = (w2 * (b * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    cos = tl.load(cos_row + offs)
+    sin = tl.load(sin_row + offs)
+    r1 = (a * cos - b * sin).to(x1.dtype)
+    r2 = (b * cos + a * sin).to(x1.dtype)
+    # [G, HALF] x 2 -> [G, HALF, 2] -> [G, 2, HALF] -> [G, HEAD_DIM] = [r1 | r2]
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (r1.shape[0], HEAD_DIM))
+
+
+@triton.jit
 def _merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, rows, heads, mask_g, offs_d, mask_d, stride_oh,
                     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """Combine NUM_SPLITS partials of each head in `heads` (split order). Loads bypass L1 (.cg): other
@@ -201,15 +248,58 @@ def paged_decode_attention(
     interpreter, whose bf16 tl.dot returns garbage (triton 3.9), and otherwise defaults to DOT_FP32_DEFAULT.
     """
     batch, num_q_heads, head_dim = q.shape
+    assert q.stride(-1) == 1
+    out = torch.empty_like(q)
+    _launch(q, q.stride(0), q.stride(1), out, k_cache, v_cache, block_tables, seq_lens, scale, None,
+            num_q_heads=num_q_heads, num_splits=num_splits, dot_fp32=dot_fp32)
+    return out
+
+
+def decode_attention_from_qkv(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as torch_ref.decode_attention_from_qkv: Qwen3's q/k norm + RoPE + cache write and paged
+    decode attention in one launch (the current token's position is seq_len - 1)."""
+    batch = qkv.shape[0]
+    head_dim = q_norm_weight.shape[0]
+    assert qkv.stride(-1) == 1 and slot_mapping.is_contiguous() and cos.stride() == sin.stride()
+    assert head_dim == triton.next_power_of_2(head_dim), "fused RoPE needs a power-of-two head_dim"
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rope = (q_norm_weight, k_norm_weight, cos, sin, slot_mapping, cos.stride(0), eps)
+    _launch(qkv, qkv.stride(0), head_dim, out, k_cache, v_cache, block_tables, seq_lens, scale, rope,
+            num_q_heads=num_q_heads, num_splits=num_splits, dot_fp32=None)
+    return out
+
+
+def _launch(
+    q: torch.Tensor, stride_qb: int, stride_qh: int, out: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    rope: tuple | None, *, num_q_heads: int, num_splits: int | None, dot_fp32: bool | None,
+) -> None:
+    batch, head_dim = out.shape[0], out.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     max_tokens = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, q.device)
     if dot_fp32 is None or _INTERPRETED:
         dot_fp32 = DOT_FP32_DEFAULT or _INTERPRETED
-    out = torch.empty_like(q)
     use_pdl, pdl = launch_options(q)
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
@@ -221,10 +311,13 @@ def paged_decode_attention(
     else:
         part_acc = part_ml = out  # unused
     tickets = _tickets(q.device, batch * num_kv_heads)
+    # Without rope the fused-RoPE arguments are placeholders the kernel never reads.
+    q_norm, k_norm, cos, sin, slots, stride_cos, eps = rope or (q, q, q, q, seq_lens, 0, 0.0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
         tickets, scale,
-        q.stride(0), q.stride(1),
+        q_norm, k_norm, cos, sin, slots, stride_cos, eps,
+        stride_qb, stride_qh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -233,7 +326,7 @@ def paged_decode_attention(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32 or q.dtype == torch.float32,
         # fp32 caches (tests) get exact fp32 products; bf16 values are exact in tf32 anyway.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FROM_QKV=rope is not None, NUM_Q_HEADS=num_q_heads,
         # 8 warps: with 4, ptxas (sm_90) spills ~300 bytes a thread for the fp32 tiles.
         USE_PDL=use_pdl, num_warps=8, num_stages=2, **pdl,
     )
-    return out

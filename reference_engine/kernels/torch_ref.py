@@ -157,3 +157,28 @@ def _write_cache(
     target = torch.where(src_keep, slots[src], torch.zeros_like(slots))
     flat_k.index_copy_(0, target, torch.where(src_keep[:, None, None], k[src], flat_k[target]))
     flat_v.index_copy_(0, target, torch.where(src_keep[:, None, None], v[src], flat_v[target]))
+
+
+def decode_attention_from_qkv(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """A Qwen3 decode step's attention from the qkv projection: qk_norm_rope_cache at each row's position
+    seq_len - 1 (the current token), then paged_decode_attention. Returns [B, Hq, D]."""
+    positions = (seq_lens.long() - 1).clamp(min=0)
+    q, _, _ = qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache,
+                                 slot_mapping, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
