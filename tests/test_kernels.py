@@ -113,9 +113,9 @@ def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, se
     assert_close(out, expected, dtype)
     # The last split of each (sequence, KV head) merged and reset its ticket: a second call (a graph
     # replay reuses the counters) gives the same bits.
-    from reference_engine.kernels import attention
+    from reference_engine.kernels import split_merge
 
-    assert not attention._TICKETS[q.device].any()
+    assert not split_merge._TICKETS[q.device].any()
     again = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
                                           num_splits=num_splits)
     assert torch.equal(again, out)

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from reference_engine.kernels.pdl import launch_options, pdl_prologue
+from reference_engine.kernels.rope import norm_rope_heads
+from reference_engine.kernels.split_merge import merge_partials, tickets_for
 
 # Fewer tokens per split than this and the merge costs more than the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 128
@@ -84,15 +86,15 @@ def _decode_split_kernel(
         # reads them back with the history below: the same program, so a barrier makes them visible.
         pos = tl.maximum(seq_len - 1, 0)
         row = q_ptr + seq * stride_qb
-        q = _norm_rope(row + heads[:, None] * HEAD_DIM, q_norm_ptr, cos_ptr + pos * stride_cos,
+        q = norm_rope_heads(row + heads[:, None] * HEAD_DIM, q_norm_ptr, cos_ptr + pos * stride_cos,
                        sin_ptr + pos * stride_cos, mask_g[:, None], eps, HEAD_DIM, BLOCK_D // 2)
         if (start <= pos) & (pos < end):
             slot = tl.load(slot_ptr + seq).to(tl.int64)
             if slot >= 0:
                 one = offs_g < 1  # row 0 of a [BLOCK_G, D] tile: the one k/v head of this program
                 src = row + (NUM_Q_HEADS + kv_head + 0 * offs_g)[:, None] * HEAD_DIM
-                k_new = _norm_rope(src, k_norm_ptr, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_cos,
-                                   one[:, None], eps, HEAD_DIM, BLOCK_D // 2)
+                k_new = norm_rope_heads(src, k_norm_ptr, cos_ptr + pos * stride_cos,
+                                        sin_ptr + pos * stride_cos, one[:, None], eps, HEAD_DIM, BLOCK_D // 2)
                 v_new = tl.load(src + num_kv_heads * HEAD_DIM + offs_d[None, :], mask=one[:, None], other=0.0)
                 k_dst = k_cache_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt \
                     + kv_head * stride_kh + offs_d[None, :] + 0 * offs_g[:, None]
@@ -162,72 +164,9 @@ def _decode_split_kernel(
         tl.debug_barrier()
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            _merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, rows, heads, mask_g,
+            merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, rows, heads, mask_g,
                             offs_d, mask_d, stride_oh, NUM_SPLITS, BLOCK_G, BLOCK_D)
             tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
-
-
-@triton.jit
-def _norm_rope(head_ptrs, w_ptr, cos_row, sin_row, mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-    """RMSNorm (weight w) then neox RoPE of the heads at head_ptrs [BLOCK_G, 1] -> [BLOCK_G, HEAD_DIM], in the
-    input dtype, rounded where rope.py (and torch_ref) round, so both paths cache the same k."""
-    offs = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(head_ptrs + offs, mask=mask, other=0.0)
-    x2 = tl.load(head_ptrs + HALF + offs, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
-    w1 = tl.load(w_ptr + offs).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
-    a = (w1 * (a * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    b = (w2 * (b * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    cos = tl.load(cos_row + offs)
-    sin = tl.load(sin_row + offs)
-    r1 = (a * cos - b * sin).to(x1.dtype)
-    r2 = (b * cos + a * sin).to(x1.dtype)
-    # [G, HALF] x 2 -> [G, HALF, 2] -> [G, 2, HALF] -> [G, HEAD_DIM] = [r1 | r2]
-    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (r1.shape[0], HEAD_DIM))
-
-
-@triton.jit
-def _merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, rows, heads, mask_g, offs_d, mask_d, stride_oh,
-                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine NUM_SPLITS partials of each head in `heads` (split order). Loads bypass L1 (.cg): other
-    SMs wrote these rows, and this SM may hold stale lines from an earlier launch."""
-    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):  # a loop, not unrolled: unrolling hoists every load and spills
-        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (rows + s) * 2, mask=mask_g, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    # All splits empty (seq_len 0, graph padding): weights 0 and the output 0, never NaN.
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):  # a loop, not unrolled: unrolling hoists every load and spills
-        m_s = tl.load(part_ml_ptr + (rows + s) * 2, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (rows + s) * 2 + 1, mask=mask_g, other=0.0, cache_modifier=".cg")
-        weight = tl.where(m_s > float("-inf"), tl.exp(m_s - m_safe), 0.0)
-        acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask_g[:, None],
-                        other=0.0, cache_modifier=".cg")
-        out += acc_s * weight[:, None]
-        total += weight * l_s
-    out = out / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask_g[:, None] & mask_d[None, :])
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept for the process: each launch leaves them at
-    zero again. Grown only outside a CUDA-graph capture (the first, eager step of a shape allocates)."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged attention: ticket counters must be allocated before graph capture")
-        tickets = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
 
 
 def paged_decode_attention(
@@ -310,7 +249,7 @@ def _launch(
         part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    tickets = _tickets(q.device, batch * num_kv_heads)
+    tickets = tickets_for(q.device, batch * num_kv_heads)
     # Without rope the fused-RoPE arguments are placeholders the kernel never reads.
     q_norm, k_norm, cos, sin, slots, stride_cos, eps = rope or (q, q, q, q, seq_lens, 0, 0.0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](

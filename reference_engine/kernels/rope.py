@@ -16,6 +16,30 @@ from reference_engine.kernels.pdl import launch_options, pdl_prologue
 
 
 @triton.jit
+def norm_rope_heads(
+    head_ptrs, w_ptr, cos_row, sin_row, mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr
+):
+    """RMSNorm (weight w) then neox RoPE of the heads at head_ptrs [BLOCK_G, 1] -> [BLOCK_G, HEAD_DIM], in the
+    input dtype, rounded where the kernel below (and torch_ref) round, so both paths cache the same k."""
+    offs = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(head_ptrs + offs, mask=mask, other=0.0)
+    x2 = tl.load(head_ptrs + HALF + offs, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + offs).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+    a = (w1 * (a * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    b = (w2 * (b * inv_rms).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    cos = tl.load(cos_row + offs)
+    sin = tl.load(sin_row + offs)
+    r1 = (a * cos - b * sin).to(x1.dtype)
+    r2 = (b * cos + a * sin).to(x1.dtype)
+    # [G, HALF] x 2 -> [G, HALF, 2] -> [G, 2, HALF] -> [G, HEAD_DIM] = [r1 | r2]
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (r1.shape[0], HEAD_DIM))
+
+
+@triton.jit
 def _qk_norm_rope_cache_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
