@@ -151,10 +151,13 @@ def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
     steps = steps_table(run)
     decode = steps[steps["phase"] == "decode"]
     assert (decode["num_tokens"] == decode["batch_size"]).all()  # no speculation: one token per request
-    at_4 = decode[(decode["batch_size"] == 4) & (decode["concurrency"] == 4)]
+    level_4 = decode[decode["concurrency"] == 4]
     at_1 = decode[(decode["batch_size"] == 1) & (decode["concurrency"] == 1)]
-    # Level 4 starts its 4 requests together: they decode side by side for most of their 64 tokens.
-    assert len(at_4) >= MAX_TOKENS // 2, steps.groupby(["concurrency", "phase", "batch_size"]).size()
+    # Level 4 starts its 4 requests together: they decode side by side for most of their 64 tokens. On a
+    # loaded machine the HTTP requests can land a step or two apart, so count steps that batch >= 2 of them.
+    groups = steps.groupby(["concurrency", "phase", "batch_size"]).size()
+    assert (level_4["batch_size"] == 4).any(), groups
+    assert (level_4["batch_size"] >= 2).sum() >= MAX_TOKENS // 2, groups
     # Level 1 runs its requests one at a time: (64 - 1) decode steps each after the prefill step.
     assert len(at_1) >= REQUESTS * (MAX_TOKENS - 1)
 
