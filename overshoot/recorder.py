@@ -4,8 +4,8 @@ Hot path design: every per-call method writes into preallocated columnar lists i
 `time.perf_counter_ns()` once, and allocates nothing but the clock's int. `rec.busy("x")` returns a context
 manager cached per label, built to cost about what the begin/end pair costs (overshoot/_scopes.py).
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
-idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT (see "process
-lifecycle" at the bottom of this module). A flush between steps is recorded as a busy span labelled
+idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT
+(overshoot/lifecycle.py). A flush between steps is recorded as a busy span labelled
 "overshoot:flush" at step -1, so its cost is visible and never inflates a step.
 
 Semantics (docs/contracts.md section 1):

@@ -22,6 +22,7 @@ Configs per shape come from `choose_config`, tuned on an H200 with benchmarks/sk
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from reference_engine.kernels.pdl import launch_options, pdl_prologue
 
 MAX_ROWS = 16  # beyond this a step is prefill-like and cuBLAS is the better GEMM
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_n: int
@@ -44,6 +47,7 @@ class GemmConfig:
     pdl: bool = False  # programmatic dependent launch: start while the previous kernel drains
 
 
+@functools.cache  # called at every launch: eager steps must not rebuild configs
 def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfig:
     """Tiles per shape, from the H200 sweep (benchmarks/skinny_gemm_sweep.py, qwen3-4b, docs/benchmarks.md).
 
