@@ -115,7 +115,8 @@ def time_decode(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "replays": engine.stats.graph_replays}
 
 
-def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) -> dict:
+def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5,
+              trace: Path | None = None) -> dict:
     """Where the GPU time of one batch-1 step goes: profiler kernel table of step-graph replays, and the GEMMs
     and LM head timed alone (to compare with what their bytes cost at copy bandwidth)."""
     from torch.profiler import ProfilerActivity, profile
@@ -135,12 +136,20 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) 
         if cuda_us > 0 and event.count:
             table[event.key[:60]] = (event.count / steps, cuda_us / steps)
     top = sorted(table.items(), key=lambda kv: -kv[1][1])[:14]
+    launches = round(sum(c for c, _ in table.values()))
     print(
-        f"step graph kernels per step ({kernels}): {sum(c for c, _ in table.values()):.0f} launches, "
-        f"{sum(t for _, t in table.values()) / 1e3:.3f} ms"
+        f"step graph kernels per step ({kernels}): {launches} launches, "
+        f"{sum(t for _, t in table.values()) / 1e3:.3f} ms (kernel time summed: PDL kernels overlap)"
     )
     for name, (count, us) in top:
         print(f"  {us / 1e3:7.3f} ms  x{count:4.0f}  {name}")
+    increments = {}
+    if trace is not None:  # per-kernel start/end: what each kernel adds to the step, not its duration
+        prof.export_chrome_trace(str(trace))
+        increments = step_increments(trace, steps)
+        print("what each decode-layer kernel adds to the step (median us; end minus the latest earlier end):")
+        for label, (median_us, total_us) in increments.items():
+            print(f"  {label:34s} {median_us:7.2f} us  x36 = {total_us / 1e3:.3f} ms")
     del engine
 
     import triton.testing
@@ -170,13 +179,47 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5) 
     lm_fused_ms = graph_ms(
         lambda: ops.norm_linear(x, model.final_norm, model.lm_head, eps, out_dtype=torch.float32)
     )
-    result = {"profile_top": {k: v for k, v in top}, "layer_gemms_ms": cublas_ms, "lm_head_ms": lm_ms,
+    result = {"profile_top": {k: v for k, v in top}, "increments_us": increments,
+              "layer_gemms_ms": cublas_ms, "lm_head_ms": lm_ms,
               "layer_fused_ms": fused_ms, "lm_head_fused_ms": lm_fused_ms}
     print(f"GEMMs alone, cuBLAS: layers {cublas_ms:.3f} ms + lm_head {lm_ms:.3f} ms "
           f"= {cublas_ms + lm_ms:.3f} ms")
     print(f"GEMMs alone, {ops.name} ops (norm/SiLU/residual included): layers {fused_ms:.3f} ms + lm_head "
           f"{lm_fused_ms:.3f} ms = {fused_ms + lm_fused_ms:.3f} ms")
     return result
+
+
+LAYER_KERNELS = ("qkv + input norm", "attention (+ q/k norm, RoPE, cache)", "o_proj + residual",
+                 "gate_up + post norm + SiLU", "down + residual")
+
+
+def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]:
+    """From a profiler trace of back-to-back step-graph replays: for each kernel of a decode layer, how much
+    later the step ends because of it (its end minus the latest end before it), median over layers and
+    summed; plus everything outside the layers (LM head, sampler, input metadata). With PDL a kernel starts
+    while the previous one drains, so durations overlap and only these increments add up to the step."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+    per_replay = len(events) // replays
+    replay = events[per_replay: 2 * per_replay]  # the second replay: the first may include warm-up effects
+    added, last_end = [], replay[0]["ts"]
+    for e in replay:
+        end = e["ts"] + e["dur"]
+        added.append((e["name"], max(end - last_end, 0.0)))
+        last_end = max(last_end, end)
+    attention = [i for i, (name, _) in enumerate(added) if "decode_split" in name]
+    if len(attention) < 2 or attention[1] - attention[0] != len(LAYER_KERNELS):
+        return {}
+    first, layers = attention[0] - 1, len(attention)
+    out = {}
+    for offset, label in enumerate(LAYER_KERNELS):
+        values = sorted(added[first + layer * len(LAYER_KERNELS) + offset][1] for layer in range(layers))
+        out[label] = (values[len(values) // 2], sum(values))
+    inside = range(first, first + layers * len(LAYER_KERNELS))
+    rest = sum(us for i, (_, us) in enumerate(added) if i not in inside)
+    out["outside layers (LM head, sampler, inputs)"] = (rest, rest)
+    return out
 
 
 def check(model: Qwen3Model, base: Config, out: dict) -> None:
@@ -338,7 +381,9 @@ def main() -> None:
     if args.check and cuda:
         check(model, base, out)
     if args.profile and cuda:
-        out["breakdown"] = breakdown(model, base, kernels=args.kernels.split(",")[-1])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        out["breakdown"] = breakdown(model, base, kernels=args.kernels.split(",")[-1],
+                                     trace=Path(args.out) / "step_trace.json")
     rows = []
     if not args.no_bench:
         for kernels in args.kernels.split(","):

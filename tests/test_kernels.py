@@ -97,6 +97,9 @@ def make_paged_kv(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, seq
         (torch.float32, 8, 2, 16, [1, 37, 130], 3),  # split-K, some splits empty for the short rows
         (torch.bfloat16, 4, 4, 8, [70, 9], None),  # MHA, small blocks, automatic split count
         (torch.bfloat16, 6, 2, 5, [23, 64], 4),  # group 3 (padded), block size not a power of two
+        # 10 of 12 splits hold tokens for the long row (the merge folds them in two chunks of 8), one for
+        # the short row (its empty splits exit without a ticket)
+        (torch.float32, 4, 2, 4, [600, 45], 12),
     ],
 )
 def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits, gen):

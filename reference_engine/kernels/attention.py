@@ -4,9 +4,10 @@ At batch 1 with 8 KV heads, one program per (sequence, KV head) would occupy 8 o
 (sequence, KV head) is cut into `num_splits` programs, each reducing its share of the sequence to a partial
 (max, sum, acc) in fp32. The last of them to finish merges the partials (a per-(sequence, KV head) ticket
 counter says which one is last), so there is no second launch; it merges in split order, so the result
-does not depend on which program finished last. The split count depends only on
-shapes (batch, heads, max_blocks, SM count), and each program computes its token range from seq_len on the
-device, so the launch is CUDA-graph capturable: no host syncs, the same grid for every step of a graph.
+does not depend on which program finished last. The split count depends only on shapes (batch, heads,
+max_blocks, SM count), and each program computes its token range from seq_len on the device, so the launch
+is CUDA-graph capturable: no host syncs, the same grid for every step of a graph. Splits that hold no
+tokens this step (short sequences in a graph sized for max_model_len) exit at once and are not merged.
 
 Each program handles all query heads of one KV head at once (GQA), so K/V are read once per group.
 """
@@ -61,17 +62,24 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, USE_PDL: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+    GROUP_P2: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
 
+    # seq_len comes from the step's input metadata, written before the first kernel of this step's PDL
+    # chain started, so it is read before waiting on the previous kernel (the qkv projection).
     seq_len = tl.load(seq_lens_ptr + seq)
-    # This split's token range, in whole BLOCK_N tiles, decided on the device from seq_len.
+    # This split's token range, in whole BLOCK_N tiles, decided on the device from seq_len. Splits past
+    # the last token ("empty") exit at once: they draw no ticket and leave no partial.
     tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1)
+    active = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)  # a row with no tokens still writes zeros
+    if split >= active:
+        return
+    pdl_prologue(USE_PDL)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -153,9 +161,9 @@ def _decode_split_kernel(
             out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :],
         )
     else:
-        # Partials laid out [B, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0.
-        rows = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS
-        mine = rows + split
+        # Partials laid out [B, Hq, NUM_SPLITS, ...].
+        first_row = seq * num_kv_heads * GROUP + kv_head * GROUP
+        mine = (first_row + offs_g) * NUM_SPLITS + split
         tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
         tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
         tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
@@ -163,9 +171,10 @@ def _decode_split_kernel(
         # the program drawing the last ticket acquires all of them.
         tl.debug_barrier()
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, rows, heads, mask_g,
-                            offs_d, mask_d, stride_oh, NUM_SPLITS, BLOCK_G, BLOCK_D)
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == active - 1:
+            # Two splits a round: of 2, 4 and 8 this was the fastest merge at batch 1 (H200).
+            merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active,
+                           kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
             tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
 
 
@@ -265,7 +274,7 @@ def _launch(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32 or q.dtype == torch.float32,
         # fp32 caches (tests) get exact fp32 products; bf16 values are exact in tf32 anyway.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FROM_QKV=rope is not None, NUM_Q_HEADS=num_q_heads,
+        FROM_QKV=rope is not None, NUM_Q_HEADS=num_q_heads, GROUP_P2=triton.next_power_of_2(group),
         # 8 warps: with 4, ptxas (sm_90) spills ~300 bytes a thread for the fp32 tiles.
         USE_PDL=use_pdl, num_warps=8, num_stages=2, **pdl,
     )
