@@ -15,20 +15,18 @@ Each program handles all query heads of one KV head at once (GQA), so K/V are re
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from reference_engine.kernels.pdl import launch_options, pdl_prologue
+from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
 from reference_engine.kernels.rope import norm_rope_heads
 from reference_engine.kernels.split_merge import merge_partials, tickets_for
 
 # Fewer tokens per split than this and the merge costs more than the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DOT_FP32_DEFAULT = False
 
 
@@ -246,8 +244,8 @@ def _launch(
     max_tokens = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, q.device)
-    if dot_fp32 is None or _INTERPRETED:
-        dot_fp32 = DOT_FP32_DEFAULT or _INTERPRETED
+    if dot_fp32 is None or INTERPRETED:
+        dot_fp32 = DOT_FP32_DEFAULT or INTERPRETED
     use_pdl, pdl = launch_options(q)
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's CPU interpreter (CI, tests): no PDL, no PTX hints, fp32 dots (its bf16 tl.dot is wrong).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _STATE: dict[str, bool] = {}
 
 
@@ -24,14 +25,14 @@ def pdl_enabled() -> bool:
     """Hopper+ CUDA only, never under the interpreter; REFERENCE_ENGINE_PDL=0 turns it off. Decided once
     per process: a launch must not pay a device query."""
     if "on" not in _STATE:
-        wanted = os.environ.get("REFERENCE_ENGINE_PDL", "1") == "1" and not _INTERPRETED
+        wanted = os.environ.get("REFERENCE_ENGINE_PDL", "1") == "1" and not INTERPRETED
         _STATE["on"] = wanted and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     return _STATE["on"]
 
 
 def set_pdl(on: bool) -> None:
     """Force PDL on or off (benchmarks compare both in one process)."""
-    _STATE["on"] = on and not _INTERPRETED
+    _STATE["on"] = on and not INTERPRETED
 
 
 def launch_options(tensor: torch.Tensor) -> tuple[bool, dict[str, bool]]:

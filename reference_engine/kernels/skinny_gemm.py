@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from reference_engine.kernels.pdl import launch_options, pdl_prologue
+from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
 
 MAX_ROWS = 16  # beyond this a step is prefill-like and cuBLAS is the better GEMM
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ def _launch(
         NORM=norm_w is not None, SILU_MUL=up_offset > 0, RESIDUAL=residual is not None, SPLIT_K=split,
         FMA=fma, USE_PDL=use_pdl,
         # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
-        DOT_FP32=fp32 or _INTERPRETED, PRECISION="ieee" if fp32 or _INTERPRETED else "tf32",
+        DOT_FP32=fp32 or INTERPRETED, PRECISION="ieee" if fp32 or INTERPRETED else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
