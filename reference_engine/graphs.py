@@ -189,14 +189,12 @@ class StepRunner:
 
     def _decode(self, size: int, greedy_only: bool) -> bool:
         meta = self.buffers.decode_meta[:size]
-        positions = meta[:, META_POSITION].contiguous()  # kernels index positions as a dense [B] array
         tables = meta[:, META_BLOCKS:]
-        block_size = self.config.block_size
         # Input-metadata ops: each row's input token is its slot's latest sample, still on the device.
-        ids = self.buffers.tokens[meta[:, META_SLOT].long()]
-        block_of_token = tables.gather(1, (positions // block_size).long()[:, None]).squeeze(1)
-        slot_mapping = block_of_token.long() * block_size + (positions % block_size).long()
-        seq_lens = positions + 1
+        ids, positions, slot_mapping, seq_lens = self.model.ops.decode_inputs(
+            meta, self.buffers.tokens, block_size=self.config.block_size, slot_col=META_SLOT,
+            position_col=META_POSITION, blocks_col=META_BLOCKS,
+        )
         replayed = False
         if self.mode == "model":
             for static, value in (
@@ -231,8 +229,10 @@ class StepRunner:
             top_p=meta[:, META_TOP_P].view(torch.float32),
             top_k=meta[:, META_TOP_K],
             seeds=meta[:, META_SEED],
-            positions=meta[:, META_POSITION] + 1,
+            # The noise position (sampling only: greedy steps skip the add kernel).
+            positions=None if greedy_only else meta[:, META_POSITION] + 1,
             greedy_only=greedy_only,
+            argmax=self.model.ops.argmax,
         )
         # Bookkeeping on the device: the next step reads each row's input id from its slot.
         self.buffers.tokens.index_copy_(0, meta[:, META_SLOT].long(), tokens)

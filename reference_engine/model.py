@@ -138,7 +138,7 @@ class Qwen3Model:
         """
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
-        x = self.embed[input_ids]
+        x = ops.embedding(self.embed, input_ids)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[index]
             attn = self._attention(layer, x, positions, k_cache, v_cache, meta)

@@ -8,6 +8,7 @@ argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,17 +71,20 @@ def sample(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     seeds: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     greedy_only: bool,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Next token ids int64 [B] from fp32 logits [B, V].
 
     temperature, top_p float32 [B]; top_k int [B] (0 = off); seeds, positions int [B]. Rows with temperature 0
-    are greedy. `greedy_only` (host-known from the batch) skips the sampling ops entirely.
+    are greedy. `greedy_only` (host-known from the batch) skips the sampling ops entirely. `argmax` is the
+    kernel set's (first index of the maximum, as torch's).
     """
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     if greedy_only:
         return greedy
+    assert positions is not None, "sampling needs the noise positions"
     batch, vocab = logits.shape
     probs = torch.softmax(logits / temperature.clamp_min(1e-5)[:, None], dim=-1)
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)

@@ -118,7 +118,7 @@ def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, se
     # replay reuses the counters) gives the same bits.
     from reference_engine.kernels import split_merge
 
-    assert not split_merge._TICKETS[q.device].any()
+    assert not split_merge.tickets_for(q.device, 1).any()
     again = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
                                           num_splits=num_splits)
     assert torch.equal(again, out)
@@ -288,3 +288,33 @@ def test_split_k_linear_residual_sums_every_slice(split_k, gen):
     assert_close(got, REF.linear_residual(x, w, residual), torch.float32, atol=1e-4)
     with pytest.raises(AssertionError, match="not a multiple"):
         skinny_gemm.linear_residual(x[:, :160].contiguous(), w[:, :160].contiguous(), residual, config=config)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_step_ops_match_torch(rows, gen):
+    """decode_inputs, embedding and argmax (ties: the first index, as torch; rows split over several
+    programs whose last merges and resets its ticket) against the torch reference."""
+    from reference_engine.kernels import split_merge
+
+    block_size, width = 4, 6 + 5
+    meta = torch.zeros(rows, width, dtype=torch.int32)
+    meta[:, 0] = torch.tensor([2, 0, 5][:rows])  # slot
+    meta[:, 1] = torch.tensor([6, 0, 17][:rows])  # position
+    meta[:, 6:] = torch.randperm(40, generator=gen)[: rows * 5].view(rows, 5).to(torch.int32)
+    meta = meta.to(DEVICE)
+    tokens = torch.arange(100, 107, dtype=torch.int64, device=DEVICE)
+    cols = dict(block_size=block_size, slot_col=0, position_col=1, blocks_col=6)
+    got, want = TRITON.decode_inputs(meta, tokens, **cols), REF.decode_inputs(meta, tokens, **cols)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    weight = randn(50, 40, dtype=torch.float32, gen=gen)
+    ids = torch.tensor([3, 49, 0, 3][: rows + 1], device=DEVICE)
+    assert torch.equal(TRITON.embedding(weight, ids), REF.embedding(weight, ids))
+    logits = randn(rows, 5000, dtype=torch.float32, gen=gen)
+    logits[0, 4321] = logits[0, 77] = 100.0  # a tie across splits: the first index wins
+    if rows > 1:
+        logits[1, 2048] = logits[1, 2049] = 50.0  # a tie inside one block
+    got = TRITON.argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, REF.argmax(logits))
+    assert got[0] == 77
+    assert not split_merge.counters_for(logits.device, "argmax tickets", 1).any()

@@ -20,6 +20,10 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
   block_tables, seq_lens, scale, *, num_q_heads, num_kv_heads, eps) -> [B, Hq, D]: the two above in one
   decode step (position = seq_len - 1); the Triton version is one launch.
 
+- decode_inputs(meta, tokens, *, block_size, slot_col, position_col, blocks_col) -> (ids, positions,
+  slot_mapping, seq_lens): a decode step's inputs from its metadata rows; embedding(weight, ids);
+  argmax(logits) -> int64 [B] (first index of the maximum). One launch each in Triton (step_ops.py).
+
 Triton is imported only when asked for, so the torch path works where Triton is missing.
 """
 
@@ -47,6 +51,9 @@ class Kernels:
     norm_gate_up_silu: Callable
     linear_residual: Callable
     decode_attention_from_qkv: Callable
+    decode_inputs: Callable
+    embedding: Callable
+    argmax: Callable
 
 
 # Where each op of the Triton set lives (imported only when asked for).
@@ -60,6 +67,9 @@ _TRITON_HOMES = {
     "norm_gate_up_silu": "decode_linear",
     "linear_residual": "decode_linear",
     "decode_attention_from_qkv": "attention",
+    "decode_inputs": "step_ops",
+    "embedding": "step_ops",
+    "argmax": "step_ops",
 }
 
 

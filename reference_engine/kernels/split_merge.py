@@ -11,19 +11,24 @@ import torch
 import triton
 import triton.language as tl
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def counters_for(device: torch.device, name: str, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters kept for the process under `name`: every launch using them leaves them at
+    zero again. Grown only outside a CUDA-graph capture (the first, eager step of a shape allocates)."""
+    counters = _COUNTERS.get((device, name))
+    if counters is None or counters.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name}: counters must be allocated before graph capture")
+        counters = torch.zeros(max(needed, 64), dtype=torch.int32, device=device)
+        _COUNTERS[(device, name)] = counters
+    return counters
 
 
 def tickets_for(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept for the process: each launch leaves them at
-    zero again. Grown only outside a CUDA-graph capture (the first, eager step of a shape allocates)."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged attention: ticket counters must be allocated before graph capture")
-        tickets = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+    """Split attention's ticket counters, one per (sequence, KV head)."""
+    return counters_for(device, "paged attention tickets", max(needed, 4096))
 
 
 @triton.jit

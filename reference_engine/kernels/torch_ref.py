@@ -182,3 +182,28 @@ def decode_attention_from_qkv(
     q, _, _ = qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache,
                                  slot_mapping, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def decode_inputs(
+    meta: torch.Tensor, tokens: torch.Tensor, *, block_size: int, slot_col: int, position_col: int,
+    blocks_col: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's inputs from its int32 metadata rows [B, W] (slot, position and block table at the
+    given columns) and the device token buffer [slots] (each slot's latest sampled token): (input ids
+    [B] in tokens' dtype, positions int32 [B], cache slot mapping int64 [B], seq lens int32 [B])."""
+    positions = meta[:, position_col].contiguous()
+    ids = tokens[meta[:, slot_col].long()]
+    block = meta[:, blocks_col:].gather(1, (positions // block_size).long()[:, None]).squeeze(1)
+    slot_mapping = block.long() * block_size + (positions % block_size).long()
+    return ids, positions, slot_mapping, positions + 1
+
+
+def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] for 1-D ids."""
+    return weight[ids]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the first index of each row's maximum (greedy sampling)."""
+    return logits.argmax(dim=-1)
+
