@@ -17,8 +17,9 @@ What each hook measures (docs/vllm.md lists which targets are verified on which 
   tears the engine down (the engine core process is SIGKILLed soon after SIGTERM and skips atexit; the
   recorder's SIGTERM handler flushes too).
 - gpu: CUDA events around `execute_model` and `sample_tokens` of the GPU model runners (V1 and V2), on the
-  current stream of the runner's device. Only in the thread that runs the steps (the in-process executor)
-  do they land in steps; a separate worker process has no steps, and CPU runners give no stream.
+  current stream of the runner's device. In the thread that runs the steps (the in-process executor) they
+  land in the open step; a worker process (multiprocess executor) has no steps, so each call is recorded
+  on its own and the analyzer joins it to the engine core's step by time. CPU runners give no stream.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Recorder:
         "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
         "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
         "_step", "_next_step", "_step_start", "_step_wait", "_batch", "_tokens", "_phase", "_facts",
-        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_ring",
+        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
         "busy", "_wait_scopes", "_idle_scope",
     )
@@ -140,6 +140,7 @@ class Recorder:
         self._gpu_t0 = self._gpu_t1 = -1  # host-clock GPU interval of the open step (gpu_span)
         self._gpu_slot = -1  # CUDA ring slot of the open step
         self._gpu_ended = False
+        self._gpu_detached = False  # the open CUDA slot began outside any step (a worker thread)
         self._ring = None  # None: not tried yet; False: no CUDA
         self.steps_recorded = 0
 
@@ -221,7 +222,7 @@ class Recorder:
             if self._gpu_ended:
                 self._ring.commit(self._gpu_slot, old)
             self._gpu_slot = -1
-            self._gpu_ended = False
+            self._gpu_ended = self._gpu_detached = False
         self._n_steps = n + 1
         self._step = -1
         self.steps_recorded += 1
@@ -353,8 +354,12 @@ class Recorder:
     # ---- GPU ----
 
     def gpu_begin(self, stream) -> None:
-        """Record the step's GPU-start CUDA event on `stream` (first call per step only)."""
-        if self._gpu_slot >= 0 or self._step < 0:
+        """Record the step's GPU-start CUDA event on `stream` (first call per step only).
+
+        In a thread that runs no steps (a model worker process of a multiprocess executor), each
+        gpu_begin .. gpu_end pair is its own interval, recorded at step -1 ("detached"); the analyzer gives
+        it to the step of the run's stepping thread during which its GPU work started."""
+        if self._gpu_slot >= 0:
             return
         ring = self._ring
         if not ring:
@@ -367,6 +372,7 @@ class Recorder:
         else:
             ring.record(ring.begin_events[slot], stream)
         self._gpu_slot = slot
+        self._gpu_detached = self._step < 0
 
     def gpu_end(self, stream) -> None:
         """(Re-)record the step's GPU-end CUDA event on `stream`: the last call of the step wins."""
@@ -378,14 +384,31 @@ class Recorder:
             else:
                 ring.record(ring.end_events[slot], stream)
             self._gpu_ended = True
+            if self._gpu_detached:  # no step will end it: commit now
+                self._gpu_slot = -1
+                self._gpu_ended = self._gpu_detached = False
+                ring.commit(slot, -1)
+                self._maybe_flush_detached(ring.write_head - ring.resolve_head >= ring.size // 2)
 
     def gpu_span(self, start_ns: int, end_ns: int) -> None:
-        """GPU work of the open step whose times are known on the host clock (first start .. last end)."""
+        """GPU work whose times are known on the host clock (first start .. last end of the open step; in a
+        thread that runs no steps, one detached interval per call, as for gpu_begin)."""
         if self._step < 0:
+            g = self._n_gpu
+            self._g_step[g], self._g_start[g], self._g_end[g] = -1, start_ns, end_ns
+            self._n_gpu = g + 1
+            self._maybe_flush_detached(g + 1 >= self._steps_cap)
             return
         if self._gpu_t0 < 0:
             self._gpu_t0 = start_ns
         self._gpu_t1 = end_ns
+
+    def _maybe_flush_detached(self, full: bool) -> None:
+        """A thread without steps has no boundaries to flush at: it flushes after a hooked call when its
+        buffers fill up (~every 256 intervals), not on a timer, since each flush delays the step that waits
+        on this thread; close, atexit and the signal handlers flush the rest."""
+        if full:
+            self._flush_between_steps(perf_counter_ns())
 
     def _init_gpu(self) -> bool:
         """Create the CUDA event ring (imports torch; one synchronize for the clock anchor)."""

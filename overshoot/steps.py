@@ -165,6 +165,8 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
     if gpu is None or len(gpu) == 0:
         return start, end, idle_ms
     gpu_code = _timeline_codes(gpu, pids, threads)
+    gpu_step = gpu["step"].to_numpy()
+    gpu_code, gpu_step = _attach_detached(gpu, gpu_code, gpu_step, steps, code)
     idle_code, idle_end = np.empty(0, "int64"), np.empty(0, "float64")
     spans = run.spans
     if spans is not None and len(spans):
@@ -179,7 +181,7 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
         if not mine.any():
             continue
         pick: np.ndarray | slice = slice(None) if mine.all() else mine  # one timeline: no masked copies
-        g_step = gpu["step"].to_numpy()[pick]
+        g_step = gpu_step[pick]
         s = gpu["gpu_start_ns"].to_numpy(dtype="float64")[pick]
         e = gpu["gpu_end_ns"].to_numpy(dtype="float64")[pick]
         if not np.all(np.diff(g_step) > 0):  # out of order or repeated steps: one interval per step, sorted
@@ -203,6 +205,26 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
             rows = lo + pos[ok]
         start[rows], end[rows], idle_ms[rows] = s[ok], e[ok], np.maximum(gap[ok], 0.0) / 1e6
     return start, end, idle_ms
+
+
+def _attach_detached(gpu: pd.DataFrame, gpu_code: np.ndarray, gpu_step: np.ndarray, steps: pd.DataFrame,
+                     code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPU intervals recorded outside any step (step -1, e.g. by the model workers of a multiprocess
+    executor, which run no steps) go to the step during which their GPU work started, when the run has one
+    stepping timeline (with several, e.g. data-parallel engine cores, time cannot tell them apart and they
+    stay unattributed). Several intervals of one step (ranks, calls) merge: first start .. last end."""
+    detached = (gpu_code < 0) | (gpu_step < 0)
+    if not detached.any() or len(code) == 0 or code[0] != code[-1]:  # rows are sorted by timeline
+        return gpu_code, gpu_step
+    starts = steps["start_ns"].to_numpy(dtype="int64")
+    ends = steps["end_ns"].to_numpy(dtype="int64")
+    g_start = gpu["gpu_start_ns"].to_numpy(dtype="int64")[detached]
+    i = np.searchsorted(starts, g_start, side="right") - 1
+    inside = (i >= 0) & (g_start < ends[np.maximum(i, 0)])
+    gpu_code, gpu_step = gpu_code.copy(), gpu_step.astype("int64", copy=True)
+    gpu_code[detached] = np.where(inside, code[0], -1)
+    gpu_step[detached] = np.where(inside, steps["step"].to_numpy(dtype="int64")[np.maximum(i, 0)], -1)
+    return gpu_code, gpu_step
 
 
 def _load_window(start_ns: np.ndarray, concurrency: pd.Series, levels: list[dict]) -> pd.Series:

@@ -150,3 +150,42 @@ def test_steps_without_gpu_have_null_gpu_columns(tmp_path):
     assert table["gpu_ms"].isna().all() and table["gpu_idle_before_ms"].isna().all()
     summary = summarize(run)
     assert summary.mode.source == "default" and pd.isna(summary.groups["gpu_idle_pct"].iloc[0])
+
+
+def test_worker_gpu_intervals_join_the_engine_steps(tmp_path):
+    """A multiprocess executor: the engine thread runs the steps and waits on a worker whose recorder has no
+    steps. The worker's GPU intervals (recorded outside any step) join the step during which they started;
+    two per step (forward, sampling) merge into first start .. last end; one outside every step stays out."""
+    import threading
+    from time import perf_counter_ns
+
+    from overshoot.recorder import Recorder
+
+    engine = Recorder(tmp_path, engine="test", thread_tag="engine")
+    marks: list[tuple[int, int]] = []
+    for _ in range(3):
+        engine.step_begin(batch_size=2, phase="decode")
+        t0 = perf_counter_ns()
+        with engine.wait("worker_result"):
+            marks.append((t0, perf_counter_ns()))
+            while perf_counter_ns() - t0 < 200_000:
+                pass
+    engine.step_end()
+    outside = perf_counter_ns()
+
+    def worker() -> None:
+        rec = Recorder(tmp_path, engine="test", thread_tag="worker")
+        for t0, _ in marks:  # host-clock GPU times (as the CUDA event ring gives them), inside each step
+            rec.gpu_span(t0 + 10_000, t0 + 60_000)
+            rec.gpu_span(t0 + 70_000, t0 + 90_000)
+        rec.gpu_span(outside + 1_000, outside + 2_000)
+        rec.close()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    engine.close()
+    table = steps_table(load_run(tmp_path))
+    assert list(table["thread"]) == ["engine"] * 3
+    assert table["gpu_ms"].tolist() == pytest.approx([0.08] * 3)
+    assert table["gpu_idle_before_ms"].notna().sum() == 2  # the first GPU work has nothing before it

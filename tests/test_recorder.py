@@ -157,7 +157,7 @@ def test_extra_facts_become_columns_and_a_new_fact_starts_a_segment(tmp_path):
 
 def test_gpu_span_keeps_first_start_and_last_end(tmp_path):
     def body(rec):
-        rec.gpu_span(1, 2)  # outside a step: ignored
+        rec.gpu_span(1, 2)  # outside a step: a detached interval (step -1), see test_analyze
         rec.step_begin()
         rec.gpu_span(100, 200)
         rec.gpu_span(150, 400)
@@ -166,7 +166,8 @@ def test_gpu_span_keeps_first_start_and_last_end(tmp_path):
         rec.gpu_span(500, 600)
 
     gpu = record(tmp_path, body).gpu
-    assert gpu[["step", "gpu_start_ns", "gpu_end_ns"]].values.tolist() == [[0, 100, 400], [2, 500, 600]]
+    assert gpu[["step", "gpu_start_ns", "gpu_end_ns"]].values.tolist() == [
+        [-1, 1, 2], [0, 100, 400], [2, 500, 600]]
 
 
 def test_scopes_are_cached_and_misuse_never_raises(tmp_path):
