@@ -13,9 +13,11 @@ What each hook measures (docs/vllm.md lists which targets are verified on which 
 - idle: `EngineCoreProc._process_input_queue`, where the busy loop blocks on `input_queue.get` while there is
   no work. It runs once per loop iteration; with work queued it returns in microseconds (a tiny idle span
   that also ends the step, so request intake between steps is not counted in any step).
-- shutdown: `EngineCore.shutdown` as an idle span: it ends the last step and flushes the spool before vLLM
-  tears the engine down (the engine core process is SIGKILLed soon after SIGTERM and skips atexit; the
-  recorder's SIGTERM handler flushes too).
+- shutdown: `EngineCore.shutdown` closes the recorder as it begins (end_reason "shutdown"): the last step
+  ends and the spool is flushed and finalized before vLLM tears the engine down. vLLM restores the default
+  SIGTERM action before calling it and its process manager sends a second SIGTERM, which kills the engine
+  core during the teardown (0.32, seen in tests/test_vllm_integration.py); a multiprocessing child skips
+  atexit anyway.
 - gpu: CUDA events around `execute_model` and `sample_tokens` of the GPU model runners (V1 and V2), on the
   current stream of the runner's device. In the thread that runs the steps (the in-process executor) they
   land in the open step; a worker process (multiprocess executor) has no steps, so each call is recorded
@@ -91,6 +93,7 @@ SPEC = EngineSpec(
         HookTarget(ASYNC_V2, "AsyncOutput.get_output", "wait", "get_output"),
         HookTarget(CORE, "EngineCoreProc._process_input_queue", "idle"),
         HookTarget(CORE, "EngineCore.shutdown", "idle"),
+        HookTarget(CORE, "EngineCore.shutdown", "close"),
         HookTarget(RUNNER_V1, "GPUModelRunner.execute_model", "gpu"),
         HookTarget(RUNNER_V1, "GPUModelRunner.sample_tokens", "gpu"),
         HookTarget(RUNNER_V2, "GPUModelRunner.execute_model", "gpu"),

@@ -125,6 +125,7 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
     roles = {t.role for t in targets}
     step = "step" in roles
     idle = "idle" in roles
+    close = "close" in roles
     busy_label = next((t.span_label for t in targets if t.role == "busy"), None)
     wait_label = next((t.span_label for t in targets if t.role == "wait"), None)
     stream_of = spec.stream if "gpu" in roles else None
@@ -141,6 +142,11 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
             return func(*args, **kwargs)
         stream = None
         try:
+            if close:  # at entry: a process may be killed during its own teardown
+                from overshoot.lifecycle import sigterm_deferred
+
+                with sigterm_deferred():
+                    rec.close(reason="shutdown")
             if step:
                 rec.step_begin()
             if idle:

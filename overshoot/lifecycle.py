@@ -9,11 +9,13 @@ ends with the default action (and exit status).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -101,3 +103,28 @@ def _on_signal(signum: int, frame) -> None:
     # Default action (terminate) with the right exit status.
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """A SIGTERM arriving inside the block is delivered when it ends (main thread only; elsewhere a no-op).
+
+    For closing a recorder at an engine's shutdown: vLLM's engine core restores the default SIGTERM action
+    before its teardown and its process manager sends a second SIGTERM, which would otherwise kill the
+    process halfway through writing the last chunk.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if pending:
+            os.kill(os.getpid(), signal.SIGTERM)

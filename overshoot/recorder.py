@@ -478,10 +478,10 @@ class Recorder:
         self._n_steps = self._n_spans = self._n_gpu = 0
         self._w_steps = self._w_spans = self._w_gpu = 0
 
-    def close(self) -> None:
-        """End the open spans and step, flush, resolve outstanding GPU events (bounded wait), finalize.
-        From another thread than the owner's, only what is complete is written."""
-        self._close("close")
+    def close(self, *, reason: str = "close") -> None:
+        """End the open spans and step, flush, resolve outstanding GPU events (bounded wait), finalize
+        (meta: closed, end_reason). From another thread than the owner's, only what is complete is written."""
+        self._close(reason)
 
     def _close(self, reason: str) -> None:
         if self._closed:

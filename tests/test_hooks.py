@@ -52,6 +52,9 @@ class Engine:
     def wait_for_work(self):
         return self.inbox.get()
 
+    def shutdown(self):
+        return "down"
+
     @staticmethod
     def helper(x):
         return x + 1
@@ -164,6 +167,27 @@ def test_unknown_or_unsupported_version_disables_the_spec(toy, dist, versions, e
     assert module.Engine.step is original  # nothing wrapped
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("overshoot: toy hooks disabled:") and expect in err[0]
+
+
+def test_close_role_finalizes_the_recorder_when_the_engine_shuts_down(toy, tmp_path):
+    """An engine process killed during its teardown, or exiting without atexit (a multiprocessing child),
+    still leaves a closed recorder: the close role closes it as the hooked shutdown begins."""
+    import json
+
+    opened: list[Recorder] = []
+    extra = (HookTarget(toy, "Engine.shutdown", "idle"), HookTarget(toy, "Engine.shutdown", "close"))
+    install(toy_spec(toy, extra=extra), recorder_factory=recorder_in(tmp_path / "run", opened))
+    module = importlib.import_module(toy)
+    engine = module.Engine()
+    for _ in range(3):
+        engine.step()
+    assert engine.shutdown() == "down"
+    assert opened[0].closed
+    (info_path,) = (tmp_path / "run" / "spool").glob("*.json")
+    info = json.loads(info_path.read_text())
+    assert info["closed"] is True and info["end_reason"] == "shutdown"
+    assert len(load_run(tmp_path / "run").steps) == 3
+    engine.step()  # after the close the engine keeps working; nothing more is recorded
 
 
 def test_patching_twice_wraps_once(toy, tmp_path):

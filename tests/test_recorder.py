@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -466,3 +467,21 @@ def test_cuda_ring_drops_oldest_and_reanchors(tmp_path):
     torch.cuda.synchronize()
     ring.drain(*out)  # ... and adopts it once reached
     assert ring.anchors >= 2 and ring.max_drift_us < 1000
+
+
+def test_sigterm_inside_a_deferred_block_arrives_after_it():
+    """The close at an engine's shutdown finishes before a SIGTERM sent meanwhile is acted on."""
+    import signal
+
+    from overshoot.lifecycle import sigterm_deferred
+
+    got: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append("handler"))
+    try:
+        with sigterm_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            got.append("block done")
+        assert got == ["block done", "handler"]
+        assert signal.getsignal(signal.SIGTERM) is not None and got.count("handler") == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

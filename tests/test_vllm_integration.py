@@ -132,6 +132,12 @@ def test_steps_come_from_the_engine_core_process(vllm_run: Path):
     # vLLM 0.32 has every target: none may be disabled in any process (pending = module never imported).
     disabled = [h for h in run.meta.get("hooks", []) if h["status"] == "disabled"]
     assert not disabled, disabled
+    # The engine core exits without atexit: its recorder is closed by the shutdown hook (or the SIGTERM
+    # handler, when the signal comes first).
+    core_recorders = [p for p in run.processes if p.get("pid") in core_pids]
+    assert core_recorders and all(p["closed"] for p in core_recorders), [
+        {k: p.get(k) for k in ("pid", "thread", "closed", "end_reason", "steps")} for p in run.processes]
+    assert {p["end_reason"] for p in core_recorders} <= {"shutdown", "SIGTERM"}, core_recorders
 
 
 @pytest.mark.vllm
