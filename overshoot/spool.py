@@ -222,10 +222,11 @@ def _validity(values: list) -> tuple[pa.Buffer | None, int]:
     return pa.py_buffer(np.packbits(valid, bitorder="little")), nulls
 
 
-def column(values: list, arrow_type: pa.DataType) -> pa.Array:
-    """An Arrow array of int64/int32/float64/bool/string from a list (None = null), without pandas."""
+def column(values: list, arrow_type: pa.DataType, *, nullable: bool = True) -> pa.Array:
+    """An Arrow array of int64/int32/float64/bool/string from a list (None = null), without pandas.
+    nullable=False: the caller guarantees no None (skips a scan of the list; the recorder's clock columns)."""
     n = len(values)
-    validity, nulls = _validity(values)
+    validity, nulls = _validity(values) if nullable else (None, 0)
     if nulls == n:
         return pa.nulls(n, arrow_type)
     if arrow_type == pa.string():
@@ -246,6 +247,21 @@ def column(values: list, arrow_type: pa.DataType) -> pa.Array:
     if arrow_type == pa.bool_():
         data = np.packbits(data, bitorder="little")
     return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)], null_count=nulls)
+
+
+def _phase_column(phase: list) -> pa.Array:
+    """Step phases; anything that is not a string (None: not given) is "unknown"."""
+    if None not in phase:  # the usual case: every step set its phase (a C-level scan, no Python loop)
+        try:
+            return column(phase, pa.string(), nullable=False)
+        except BUILD_ERRORS:
+            pass
+    return column([p if isinstance(p, str) else "unknown" for p in phase], pa.string(), nullable=False)
+
+
+def _ints(values: list) -> pa.Array:
+    """int64 column the recorder always fills (steps, clock times, durations): never null."""
+    return column(values, pa.int64(), nullable=False)
 
 
 def _string_column(values: list) -> pa.Array:
@@ -389,12 +405,11 @@ class RecorderIO:
                 self.writer.write("steps", self._steps_batch(*steps))
             if spans[0]:
                 self.writer.write("spans", pa.record_batch(
-                    [column(spans[0], pa.int64()), column(spans[1], pa.string()),
-                     _string_column(spans[2]), column(spans[3], pa.int64()),
-                     column(spans[4], pa.int64())], schema=SPANS_SCHEMA))
+                    [_ints(spans[0]), column(spans[1], pa.string(), nullable=False),
+                     _string_column(spans[2]), _ints(spans[3]), _ints(spans[4])], schema=SPANS_SCHEMA))
             if gpu[0]:
-                self.writer.write("gpu", pa.record_batch(
-                    [column(values, pa.int64()) for values in gpu], schema=GPU_SCHEMA))
+                gpu_columns = [_ints(values) for values in gpu]
+                self.writer.write("gpu", pa.record_batch(gpu_columns, schema=GPU_SCHEMA))
             self.chunks += 1
         except (OSError, *BUILD_ERRORS) as e:
             self.write_errors += 1
@@ -405,9 +420,9 @@ class RecorderIO:
 
     def _steps_batch(self, step, start, end, wait, batch, tokens, phase, facts) -> pa.RecordBatch:
         columns = [
-            column(step, pa.int64()), column(start, pa.int64()), column(end, pa.int64()),
-            column(wait, pa.int64()), _int_array(batch, pa.int32()), _int_array(tokens, pa.int32()),
-            column([p if isinstance(p, str) else "unknown" for p in phase], pa.string()),
+            _ints(step), _ints(start), _ints(end), _ints(wait),
+            _int_array(batch, pa.int32()), _int_array(tokens, pa.int32()),
+            _phase_column(phase),
         ]
         fields = list(STEPS_SCHEMA)
         for f in facts:  # register new fact names in order of first appearance
