@@ -18,8 +18,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 # qwen3-4b decode shapes
 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE = 2560, 32, 8, 128, 9728, 16
@@ -87,6 +90,14 @@ def flatten(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
 
 
+def exact(a, b) -> float:
+    """0 when the two results are identical (index ops), else fail like max_err."""
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+        raise AssertionError("Triton and torch results differ")
+    return 0.0
+
+
 def max_err(expected, actual, *, tol: float = 2e-2) -> float:
     worst = 0.0
     for want, got in zip(flatten(expected), flatten(actual), strict=True):
@@ -149,6 +160,17 @@ def bench_rows(batch: int, gen: torch.Generator, ref, tri) -> list[Row]:
     v_cache = torch.zeros_like(k_cache)
     shape = f"B={batch}"
 
+    logits = torch.randn(batch, 151936, generator=gen, device="cuda")
+    embed, ids = randn(151936, HIDDEN), torch.randint(0, 151936, (batch,), generator=gen, device="cuda")
+    meta = torch.zeros(batch, 6 + 64, dtype=torch.int32, device="cuda")
+    meta[:, 0], meta[:, 1] = torch.arange(batch, device="cuda"), positions.to(torch.int32)
+    meta[:, 6:] = torch.arange(64, dtype=torch.int32, device="cuda")
+    tokens = torch.arange(batch + 1, device="cuda")
+
+    def inputs_call(ops):
+        return lambda: ops.decode_inputs(meta, tokens, block_size=BLOCK_SIZE, slot_col=0, position_col=1,
+                                         blocks_col=6)
+
     def rope_call(ops):
         return lambda: ops.qk_norm_rope_cache(qkv, q_w, k_w, cos, sin, positions, k_cache, v_cache, slots,
                                               num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, eps=EPS)
@@ -162,6 +184,11 @@ def bench_rows(batch: int, gen: torch.Generator, ref, tri) -> list[Row]:
                    lambda: tri.silu_and_mul(gate_up), compare=max_err),
         bench_pair("qk_norm_rope_cache", shape, rope_call(ref), rope_call(tri),
                    compare=lambda a, b: max_err(a, b, tol=6e-2)),
+        bench_pair("argmax (greedy), V=151936", shape, lambda: ref.argmax(logits), lambda: tri.argmax(logits),
+                   compare=exact),
+        bench_pair("decode_inputs", shape, inputs_call(ref), inputs_call(tri), compare=exact),
+        bench_pair("embedding", shape, lambda: ref.embedding(embed, ids), lambda: tri.embedding(embed, ids),
+                   compare=exact),
     ]
 
 
