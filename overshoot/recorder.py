@@ -39,7 +39,7 @@ from overshoot._scopes import (
     StepScope,
     fast_scope,
 )
-from overshoot.spool import RecorderIO
+from overshoot.recorder_io import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
 
