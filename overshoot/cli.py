@@ -138,6 +138,7 @@ def report(
 
     from rich.console import Console
 
+    from overshoot import compare as cmp
     from overshoot import report as rep
 
     options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "mode": mode}
@@ -150,12 +151,12 @@ def report(
             rep.render(first, console)
         return
     second = rep.build_report(_load(compare), **options)
-    rows = rep.compare(first, second)
+    rows = cmp.compare(first, second)
     if json_output:
-        both = {"a": first, "b": second, "compare": rows, "compare_client": rep.compare_client(first, second)}
+        both = {"a": first, "b": second, "compare": rows, "compare_client": cmp.compare_client(first, second)}
         print(json.dumps(both, indent=2))
     else:
-        rep.render_compare(first, second, rows, console)
+        cmp.render_compare(first, second, rows, console)
 
 
 @app.command(

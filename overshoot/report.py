@@ -153,7 +153,7 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
     return rows
 
 
-def _num(value, fmt: str = ".2f") -> str:
+def fmt_num(value, fmt: str = ".2f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
@@ -182,7 +182,7 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
     title = f"overshoot report: {report['run_id']}" + (
         f" ({report['engine']})" if report.get("engine") else ""
     )
-    table = _table(title)
+    table = report_table(title)
     if "concurrency" in keys:
         table.add_column("level", justify="right", no_wrap=True)
     for name in (
@@ -207,17 +207,17 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
             g["phase"],
             str(g["batch_size"]),
             str(g["steps"]),
-            _num(g["step_ms_median"]),
-            _num(g["step_ms_p90"]),
-            _num(g["busy_ms_median"]),
-            _num(g["wait_ms_median"]),
-            _num(g["gpu_ms_median"]),
+            fmt_num(g["step_ms_median"]),
+            fmt_num(g["step_ms_p90"]),
+            fmt_num(g["busy_ms_median"]),
+            fmt_num(g["wait_ms_median"]),
+            fmt_num(g["gpu_ms_median"]),
             _pct(g["cpu_bound_pct"]),
             _pct(g["gpu_idle_pct"]),
             _pct(g["cpu_share_pct"]),
         ]
         cells += [
-            _num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
+            fmt_num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
             for label in what_ifs
         ]
         table.add_row(*cells)
@@ -230,7 +230,7 @@ def _level_cell(group: dict) -> str:
     return str(group["concurrency"])
 
 
-def _table(title: str) -> Table:
+def report_table(title: str) -> Table:
     # Compact: fits 80 columns for the common case (no level column, two what-ifs).
     return Table(
         title=title,
@@ -243,7 +243,7 @@ def _table(title: str) -> Table:
 
 
 def _client_table(rows: list[dict]) -> Table:
-    table = _table("client side, per concurrency level")
+    table = report_table("client side, per concurrency level")
     for name in (
         "level",
         "requests",
@@ -261,125 +261,11 @@ def _client_table(rows: list[dict]) -> Table:
             str(r["concurrency"]),
             str(r["requests"]),
             str(r["errors"]),
-            _num(r["latency_ms_median"], ".1f"),
-            _num(r["latency_ms_p90"], ".1f"),
-            _num(r["ttft_ms_median"], ".1f"),
-            _num(r["ttft_ms_p90"], ".1f"),
-            _num(r["tokens_per_s"], ".1f"),
-            _num(r["tokens_per_s_per_request"], ".1f"),
+            fmt_num(r["latency_ms_median"], ".1f"),
+            fmt_num(r["latency_ms_p90"], ".1f"),
+            fmt_num(r["ttft_ms_median"], ".1f"),
+            fmt_num(r["ttft_ms_p90"], ".1f"),
+            fmt_num(r["tokens_per_s"], ".1f"),
+            fmt_num(r["tokens_per_s_per_request"], ".1f"),
         )
     return table
-
-
-def _key(g: dict, keys: list[str]) -> tuple:
-    return tuple(g.get(k) for k in keys)
-
-
-def compare(a: dict, b: dict) -> list[dict]:
-    """A vs B per group present in both (and per client level): values and deltas."""
-    keys = [k for k in a["group_keys"] if k in b["group_keys"]]
-    b_groups = {_key(g, keys): g for g in b["groups"]}
-    rows = []
-    for ga in a["groups"]:
-        gb = b_groups.get(_key(ga, keys))
-        if gb is None:
-            continue
-        row = {"title": ga["title"], **{k: ga.get(k) for k in keys}}
-        for name, relative in (
-            ("step_ms_median", True),
-            ("busy_ms_median", True),
-            ("gpu_ms_median", True),
-            ("cpu_bound_pct", False),
-            ("gpu_idle_pct", False),
-        ):
-            va, vb = ga[name], gb[name]
-            row[name] = {"a": va, "b": vb, "delta": _delta(va, vb, relative)}
-        rows.append(row)
-    return rows
-
-
-def compare_client(a: dict, b: dict) -> list[dict]:
-    """Client-side figures per concurrency level present in both runs."""
-    b_levels = {r["concurrency"]: r for r in b["client"]}
-    rows = []
-    for ra in a["client"]:
-        rb = b_levels.get(ra["concurrency"])
-        if rb is None:
-            continue
-        row = {"concurrency": ra["concurrency"]}
-        for name in ("latency_ms_median", "ttft_ms_median", "tokens_per_s", "tokens_per_s_per_request"):
-            row[name] = {"a": ra[name], "b": rb[name], "delta": _delta(ra[name], rb[name], True)}
-        rows.append(row)
-    return rows
-
-
-def _delta(a, b, relative: bool):
-    if a is None or b is None:
-        return None
-    if relative:
-        return None if a == 0 else 100.0 * (b - a) / a
-    return b - a
-
-
-def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None:
-    table = _table(f"A = {a['run_id']}  vs  B = {b['run_id']}")
-    for name, justify in (
-        ("group", "left"),
-        ("metric", "left"),
-        ("A", "right"),
-        ("B", "right"),
-        ("B vs A", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "group")
-    spec = [
-        ("step_ms_median", "step ms (median)", ".2f", "%"),
-        ("busy_ms_median", "busy ms (median)", ".2f", "%"),
-        ("gpu_ms_median", "GPU ms (median)", ".2f", "%"),
-        ("cpu_bound_pct", "CPU-bound %", ".0f", " pts"),
-        ("gpu_idle_pct", "GPU idle %", ".1f", " pts"),
-    ]
-    for r in rows:
-        for i, (name, label, fmt, unit) in enumerate(spec):
-            v = r[name]
-            delta = "-" if v["delta"] is None else f"{v['delta']:+.1f}{unit}"
-            table.add_row(
-                r["title"] if i == 0 else "",
-                label,
-                _num(v["a"], fmt),
-                _num(v["b"], fmt),
-                delta,
-                end_section=i == len(spec) - 1,
-            )
-    console.print(table)
-    for name, rep in (("A", a), ("B", b)):
-        if rep.get("hook_problems"):
-            console.print(f"{name}: {hooks_line(rep['hook_problems'])}", highlight=False, markup=False)
-    if not rows:
-        console.print("no group (level, phase, batch size) is present in both runs", highlight=False)
-    client_rows = compare_client(a, b)
-    if client_rows:
-        client = _table("client side, per concurrency level")
-        for name in ("level", "metric", "A", "B", "B vs A"):
-            client.add_column(name, justify="left" if name == "metric" else "right", no_wrap=True)
-        labels = {
-            "latency_ms_median": "latency ms (median)",
-            "ttft_ms_median": "TTFT ms (median)",
-            "tokens_per_s": "output tok/s",
-            "tokens_per_s_per_request": "tok/s per request",
-        }
-        for r in client_rows:
-            for i, (name, label) in enumerate(labels.items()):
-                v = r[name]
-                delta = "-" if v["delta"] is None else f"{v['delta']:+.1f}%"
-                client.add_row(
-                    str(r["concurrency"]) if i == 0 else "",
-                    label,
-                    _num(v["a"], ".1f"),
-                    _num(v["b"], ".1f"),
-                    delta,
-                    end_section=i == len(labels) - 1,
-                )
-        console.print(client)
-    for name, rep in (("A", a), ("B", b)):
-        for g in rep["groups"]:
-            console.print(f"- {name}: {g['verdict']}", highlight=False)
