@@ -92,8 +92,7 @@ def flatten(out) -> list[torch.Tensor]:
 
 def exact(a, b) -> float:
     """0 when the two results are identical (index ops), else fail like max_err."""
-    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
-    if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+    if not all(torch.equal(x, y) for x, y in zip(flatten(a), flatten(b), strict=True)):
         raise AssertionError("Triton and torch results differ")
     return 0.0
 

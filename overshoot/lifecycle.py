@@ -80,24 +80,24 @@ def install_signal_handlers() -> bool:
     return bool(_installed)
 
 
+def _flush_all() -> None:
+    for rec in list(_live):
+        try:
+            rec.flush()
+        except Exception:  # a signal handler must not raise on the recorder's behalf
+            pass
+
+
 def _on_signal(signum: int, frame) -> None:
     previous = _installed.get(signum)
     if callable(previous):
-        for rec in list(_live):  # the process may go on (graceful shutdown): flush, do not seal
-            try:
-                rec.flush()
-            except Exception:
-                pass
+        _flush_all()  # the process may go on (graceful shutdown): flush, do not seal
         previous(signum, frame)
         return
     if previous == signal.SIG_IGN:
         return
     if signum == signal.SIGINT:
-        for rec in list(_live):
-            try:
-                rec.flush()
-            except Exception:
-                pass
+        _flush_all()
         raise KeyboardInterrupt
     _close_all(signal.Signals(signum).name)
     # Default action (terminate) with the right exit status.

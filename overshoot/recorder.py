@@ -388,7 +388,8 @@ class Recorder:
                 self._gpu_slot = -1
                 self._gpu_ended = self._gpu_detached = False
                 ring.commit(slot, -1)
-                self._maybe_flush_detached(ring.write_head - ring.resolve_head >= ring.size // 2)
+                if ring.write_head - ring.resolve_head >= ring.size // 2:
+                    self._flush_detached()
 
     def gpu_span(self, start_ns: int, end_ns: int) -> None:
         """GPU work whose times are known on the host clock (first start .. last end of the open step; in a
@@ -397,18 +398,18 @@ class Recorder:
             g = self._n_gpu
             self._g_step[g], self._g_start[g], self._g_end[g] = -1, start_ns, end_ns
             self._n_gpu = g + 1
-            self._maybe_flush_detached(g + 1 >= self._steps_cap)
+            if g + 1 >= self._steps_cap:
+                self._flush_detached()
             return
         if self._gpu_t0 < 0:
             self._gpu_t0 = start_ns
         self._gpu_t1 = end_ns
 
-    def _maybe_flush_detached(self, full: bool) -> None:
+    def _flush_detached(self) -> None:
         """A thread without steps has no boundaries to flush at: it flushes after a hooked call when its
         buffers fill up (~every 256 intervals), not on a timer, since each flush delays the step that waits
         on this thread; close, atexit and the signal handlers flush the rest."""
-        if full:
-            self._flush_between_steps(perf_counter_ns())
+        self._flush_between_steps(perf_counter_ns())
 
     def _init_gpu(self) -> bool:
         """Create the CUDA event ring (imports torch; one synchronize for the clock anchor)."""

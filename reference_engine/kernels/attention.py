@@ -22,7 +22,7 @@ import triton.language as tl
 
 from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
 from reference_engine.kernels.rope import norm_rope_heads
-from reference_engine.kernels.split_merge import merge_partials, tickets_for
+from reference_engine.kernels.split_merge import last_to_arrive, merge_partials, tickets_for
 
 # Fewer tokens per split than this and the merge costs more than the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 128
@@ -165,11 +165,8 @@ def _decode_split_kernel(
         tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
         tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
         tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
-        # Every thread's stores come before the ticket (barrier), and the ticket releases them to the GPU;
-        # the program drawing the last ticket acquires all of them.
-        tl.debug_barrier()
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == active - 1:
+        if last_to_arrive(ticket_ptr, active):
             # Two splits a round: of 2, 4 and 8 this was the fastest merge at batch 1 (H200).
             merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active,
                            kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)

@@ -1,8 +1,9 @@
-"""The end of split (flash-decoding) attention: the last split program of each (sequence, KV head) merges.
+"""Split work merged by its last program, in one launch: ticket counters and the attention merge.
 
-Each split program that has tokens stores its partial (max, sum, acc) and draws a ticket from a
-per-(sequence, KV head) counter; the one drawing the last ticket combines the partials in split order and
-resets the counter. No second launch, and the result does not depend on which program finished last.
+Each program stores its partial and draws a ticket (`last_to_arrive`); the one drawing the last ticket
+combines the partials in a fixed order and resets the counter. No second launch, and the result does not
+depend on which program finished last. Split attention merges per (sequence, KV head) with
+`merge_partials`; the greedy argmax (step_ops.py) merges per row.
 """
 
 from __future__ import annotations
@@ -32,14 +33,23 @@ def tickets_for(device: torch.device, needed: int) -> torch.Tensor:
 
 
 @triton.jit
+def last_to_arrive(ticket_ptr, arrivals):
+    """Whether this program draws the last of `arrivals` tickets, called after its partial stores. The
+    barrier puts every thread's stores before the ticket, which releases them to the GPU (acq_rel); the last
+    program acquires all of them. That program must reset the ticket to 0 once it has merged."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
 def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_row, active, head0, stride_oh,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """Combine the first `active` split partials of heads head0 .. head0 + GROUP - 1 (partial rows
     (first_row + head) * NUM_SPLITS + split) and store the normalised outputs.
 
-    CHUNK splits at a time, each chunk's m, l and acc loaded together: one round trip to L2 per chunk (a
-    loop of one load per split cost one round trip per split, ~10 us a layer at 8 splits). Chunks are
+    CHUNK splits at a time, each chunk's m, l and acc loaded together: one round trip to L2 per chunk instead
+    of one per split (36 chained attentions at 3 active splits: 7.32 -> 6.80 us each on an H200). Chunks are
     folded in split order with the usual running-max rescaling, so the sum does not depend on timing. Loads
     bypass L1 (.cg): other SMs wrote these rows, and this SM may hold stale lines from an earlier launch.
     """

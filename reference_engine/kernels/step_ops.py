@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference_engine.kernels.split_merge import counters_for
+from reference_engine.kernels.split_merge import counters_for, last_to_arrive
 
 _ARGMAX_BLOCK = 2048  # logits per load
 _ARGMAX_PROGRAMS = 128  # programs over the whole batch (an H200 has 132 SMs)
@@ -104,8 +104,7 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, tickets_ptr,
         best = tl.where(better, block_best, best)
     tl.store(part_val_ptr + row * SPLITS + split, best)
     tl.store(part_idx_ptr + row * SPLITS + split, best_idx)
-    tl.debug_barrier()  # every thread's stores before the ticket, which releases them
-    if tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+    if last_to_arrive(tickets_ptr + row, SPLITS):
         s = tl.arange(0, SPLITS)
         vals = tl.load(part_val_ptr + row * SPLITS + s, cache_modifier=".cg")
         idxs = tl.load(part_idx_ptr + row * SPLITS + s, cache_modifier=".cg")

@@ -206,4 +206,3 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: the first index of each row's maximum (greedy sampling)."""
     return logits.argmax(dim=-1)
-
