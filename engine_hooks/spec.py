@@ -24,9 +24,9 @@ class HookTarget:
     role: step -> a step boundary at entry (the step lasts until the next boundary); busy / wait -> a
     labelled span around the call; idle -> an idle span around the call (ends the open step);
     gpu -> CUDA events around the call on the stream given by `EngineSpec.stream(self)`; close -> the
-    thread's recorder is closed (last step ended, flushed, finalized) when the call begins: an engine's
-    shutdown, during or after which its process may be killed or exit without atexit (multiprocessing
-    children do).
+    thread's recorder is closed (last step ended, flushed, finalized) when the call ends, returning or
+    raising: the loop that runs an engine's steps, after which its process may be killed during teardown
+    or exit without atexit (multiprocessing children do).
     facts(result, *args, **kwargs) -> dict, called after the call, goes to `Recorder.step_facts`.
     Several targets may name the same function (e.g. busy + gpu): it is wrapped once with all of them.
     """

@@ -13,11 +13,12 @@ What each hook measures (docs/vllm.md lists which targets are verified on which 
 - idle: `EngineCoreProc._process_input_queue`, where the busy loop blocks on `input_queue.get` while there is
   no work. It runs once per loop iteration; with work queued it returns in microseconds (a tiny idle span
   that also ends the step, so request intake between steps is not counted in any step).
-- shutdown: `EngineCore.shutdown` closes the recorder as it begins (end_reason "shutdown"): the last step
-  ends and the spool is flushed and finalized before vLLM tears the engine down. vLLM restores the default
-  SIGTERM action before calling it and its process manager sends a second SIGTERM, which kills the engine
-  core during the teardown (0.32, seen in tests/test_vllm_integration.py); a multiprocessing child skips
-  atexit anyway.
+- close: the recorder is closed when the busy loop (`EngineCoreProc.run_busy_loop`, and the data-parallel
+  `DPEngineCoreProc.run_busy_loop`) ends, end_reason "shutdown": the last step ends and the spool is
+  flushed and finalized while vLLM's own SIGTERM handler is still installed. Right after, vLLM restores
+  the default SIGTERM action and its process manager sends a second SIGTERM, which kills the engine core
+  during the teardown (0.32, seen in tests/test_vllm_integration.py); closing at `EngineCore.shutdown`
+  lost that race under load. A multiprocessing child skips atexit anyway.
 - gpu: CUDA events around `execute_model` and `sample_tokens` of the GPU model runners (V1 and V2), on the
   current stream of the runner's device. In the thread that runs the steps (the in-process executor) they
   land in the open step; a worker process (multiprocess executor) has no steps, so each call is recorded
@@ -92,8 +93,8 @@ SPEC = EngineSpec(
         HookTarget(RUNNER_V1, "GPUModelRunner._to_list", "wait", "to_list"),
         HookTarget(ASYNC_V2, "AsyncOutput.get_output", "wait", "get_output"),
         HookTarget(CORE, "EngineCoreProc._process_input_queue", "idle"),
-        HookTarget(CORE, "EngineCore.shutdown", "idle"),
-        HookTarget(CORE, "EngineCore.shutdown", "close"),
+        HookTarget(CORE, "EngineCoreProc.run_busy_loop", "close"),
+        HookTarget(CORE, "DPEngineCoreProc.run_busy_loop", "close"),
         HookTarget(RUNNER_V1, "GPUModelRunner.execute_model", "gpu"),
         HookTarget(RUNNER_V1, "GPUModelRunner.sample_tokens", "gpu"),
         HookTarget(RUNNER_V2, "GPUModelRunner.execute_model", "gpu"),

@@ -142,11 +142,6 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
             return func(*args, **kwargs)
         stream = None
         try:
-            if close:  # at entry: a process may be killed during its own teardown
-                from overshoot.lifecycle import sigterm_deferred
-
-                with sigterm_deferred():
-                    rec.close(reason="shutdown")
             if step:
                 rec.step_begin()
             if idle:
@@ -174,6 +169,11 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
                     rec.busy_end()
                 if idle:
                     rec.idle_end()
+                if close:  # the engine loop is over: seal before the process's teardown can kill it
+                    from overshoot.lifecycle import sigterm_deferred
+
+                    with sigterm_deferred():
+                        rec.close(reason="shutdown")
             except Exception as exc:
                 _recording_failed(exc)
         if facts:

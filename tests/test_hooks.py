@@ -52,9 +52,6 @@ class Engine:
     def wait_for_work(self):
         return self.inbox.get()
 
-    def shutdown(self):
-        return "down"
-
     @staticmethod
     def helper(x):
         return x + 1
@@ -169,19 +166,17 @@ def test_unknown_or_unsupported_version_disables_the_spec(toy, dist, versions, e
     assert len(err) == 1 and err[0].startswith("overshoot: toy hooks disabled:") and expect in err[0]
 
 
-def test_close_role_finalizes_the_recorder_when_the_engine_shuts_down(toy, tmp_path):
+def test_close_role_finalizes_the_recorder_when_the_engine_loop_ends(toy, tmp_path):
     """An engine process killed during its teardown, or exiting without atexit (a multiprocessing child),
-    still leaves a closed recorder: the close role closes it as the hooked shutdown begins."""
+    still leaves a closed recorder: the close role closes it when the hooked engine loop returns."""
     import json
 
     opened: list[Recorder] = []
-    extra = (HookTarget(toy, "Engine.shutdown", "idle"), HookTarget(toy, "Engine.shutdown", "close"))
-    install(toy_spec(toy, extra=extra), recorder_factory=recorder_in(tmp_path / "run", opened))
+    install(toy_spec(toy, extra=(HookTarget(toy, "run", "close"),)),
+            recorder_factory=recorder_in(tmp_path / "run", opened))
     module = importlib.import_module(toy)
     engine = module.Engine()
-    for _ in range(3):
-        engine.step()
-    assert engine.shutdown() == "down"
+    module.run(engine, steps=3)
     assert opened[0].closed
     (info_path,) = (tmp_path / "run" / "spool").glob("*.json")
     info = json.loads(info_path.read_text())

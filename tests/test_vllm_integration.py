@@ -127,13 +127,14 @@ def test_steps_come_from_the_engine_core_process(vllm_run: Path):
     assert stepping == core_pids, f"steps from pids {stepping}, EngineCore is {core_pids}"
     hooks = [h for h in run.meta.get("hooks", []) if h.get("pid") in core_pids]
     installed = {h["target"].split(":")[1] for h in hooks if h["status"] == "installed"}
-    for target in ("EngineCore.step", "Scheduler.schedule", "FutureWrapper.result", "EngineCore.shutdown"):
+    for target in ("EngineCore.step", "Scheduler.schedule", "FutureWrapper.result",
+                   "EngineCoreProc.run_busy_loop"):
         assert target in installed, f"{target} not installed in the EngineCore: {hooks}"
     # vLLM 0.32 has every target: none may be disabled in any process (pending = module never imported).
     disabled = [h for h in run.meta.get("hooks", []) if h["status"] == "disabled"]
     assert not disabled, disabled
-    # The engine core exits without atexit: its recorder is closed by the shutdown hook (or the SIGTERM
-    # handler, when the signal comes first).
+    # The engine core exits without atexit: its recorder is closed when the busy loop ends (or by the
+    # SIGTERM handler, when the default action comes first).
     core_recorders = [p for p in run.processes if p.get("pid") in core_pids]
     assert core_recorders and all(p["closed"] for p in core_recorders), [
         {k: p.get(k) for k in ("pid", "thread", "closed", "end_reason", "steps")} for p in run.processes]
