@@ -41,6 +41,23 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
 }
 
 
+def apply_gemm_tiles(path: Path) -> None:
+    """Benchmark-only: the engine's decode GEMMs take the tiles a skinny_gemm_sweep.py --json run chose."""
+    from reference_engine.kernels import skinny_gemm
+
+    table = {}
+    for row in json.loads(path.read_text())["shapes"]:
+        silu = row["shape"].startswith("gate_up")
+        n = row["n"] // 2 if silu else row["n"]
+        table[(n, row["k"], row["rows"], silu)] = skinny_gemm.GemmConfig(**(row["pdl_best"] or row["best"]))
+    chosen = skinny_gemm.choose_config
+
+    def patched(n: int, k: int, rows: int, *, silu: bool = False):
+        return table.get((n, k, rows, silu)) or chosen(n, k, rows, silu=silu)
+
+    skinny_gemm.choose_config = patched
+
+
 def apply_gemm_variant(name: str) -> None:
     """Benchmark-only: rewrite the engine's decode GEMM tiles, to compare designs in whole steps."""
     rewrite = GEMM_VARIANTS[name]
@@ -351,8 +368,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--gemm-variant", choices=sorted(GEMM_VARIANTS), default="default",
                         help="decode GEMM tile experiment (Triton kernels)")
+    parser.add_argument("--gemm-tiles", type=Path, help="tiles from a skinny_gemm_sweep.py --json run")
     args = parser.parse_args()
     apply_gemm_variant(args.gemm_variant)
+    if args.gemm_tiles:
+        apply_gemm_tiles(args.gemm_tiles)
 
     base = Config(preset=args.preset, max_model_len=args.max_model_len)
     cuda = base.device == "cuda"

@@ -191,6 +191,10 @@ def bench_rows(batch: int, gen: torch.Generator, ref, tri) -> list[Row]:
     ]
 
 
+# (tokens per tile, pipeline stages); the first is the default
+TILE_SWEEP = [(64, 2), (64, 3), (32, 2), (32, 4), (128, 2)]
+
+
 def sweep_splits(batch: int, context: int, gen: torch.Generator) -> str:
     """Graph-replay time of the Triton attention per split count (tunes choose_num_splits)."""
     import triton.testing as tt
@@ -199,14 +203,17 @@ def sweep_splits(batch: int, context: int, gen: torch.Generator) -> str:
 
     args = paged_inputs(batch, context, gen)
     auto = attention.choose_num_splits(batch, NUM_KV_HEADS, context, args[0].device)
-    cells = []
-    for splits in (1, 2, 4, 8, 16, 32, 64):
-        if splits * 64 > context:
-            break
-        us = tt.do_bench_cudagraph(lambda s=splits: attention.paged_decode_attention(
-            *args, HEAD_DIM**-0.5, num_splits=s), return_mode="median") * 1e3
-        cells.append(f"{splits}{'*' if splits == auto else ''}: {us:.1f}")
-    return f"B={batch} ctx={context}  " + "  ".join(cells)
+    lines = []
+    for tiles in TILE_SWEEP:
+        cells = []
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            if splits * 64 > context:
+                break
+            us = tt.do_bench_cudagraph(lambda s=splits, t=tiles: attention.paged_decode_attention(
+                *args, HEAD_DIM**-0.5, num_splits=s, tiles=t), return_mode="median") * 1e3
+            cells.append(f"{splits}{'*' if splits == auto else ''}: {us:.1f}")
+        lines.append(f"B={batch} ctx={context} tile {tiles[0]}x{tiles[1]} stages  " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def print_table(rows: list[Row], title: str) -> None:

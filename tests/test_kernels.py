@@ -91,36 +91,35 @@ def make_paged_kv(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, seq
 
 
 @pytest.mark.parametrize(
-    "dtype,num_q_heads,num_kv_heads,block_size,seq_lens,num_splits",
+    "dtype,num_q_heads,num_kv_heads,block_size,seq_lens,num_splits,tiles",
     [
-        (torch.float32, 8, 2, 16, [1, 37, 130], 1),  # GQA group 4, one split (direct write)
-        (torch.float32, 8, 2, 16, [1, 37, 130], 3),  # split-K, some splits empty for the short rows
-        (torch.bfloat16, 4, 4, 8, [70, 9], None),  # MHA, small blocks, automatic split count
-        (torch.bfloat16, 6, 2, 5, [23, 64], 4),  # group 3 (padded), block size not a power of two
-        # 10 of 12 splits hold tokens for the long row (the merge folds them in two chunks of 8), one for
-        # the short row (its empty splits exit without a ticket)
-        (torch.float32, 4, 2, 4, [600, 45], 12),
+        (torch.float32, 8, 2, 16, [1, 37, 130], 1, None),  # GQA group 4, one split (direct write)
+        (torch.float32, 8, 2, 16, [1, 37, 130], 3, (16, 2)),  # split-K, some splits empty for the short rows
+        (torch.bfloat16, 4, 4, 8, [70, 9], None, None),  # MHA, small blocks, automatic split count
+        (torch.bfloat16, 6, 2, 5, [23, 64], 4, (16, 3)),  # group 3 (padded), block size not a power of two
+        # 16-token tiles: 10 of 12 splits hold 4 tiles of the long row each (the merge folds them two at a
+        # time); 3 hold the short row's 3 tiles (its 9 empty splits exit without a ticket)
+        (torch.float32, 4, 2, 4, [600, 45], 12, (16, 2)),
     ],
 )
-def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits, gen):
+def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits, tiles,
+                                gen):
     q, k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
         batch=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
         block_size=block_size, seq_lens=seq_lens, dtype=dtype, gen=gen)
     scale = 32**-0.5
     expected = REF.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
-    if num_splits is None:
-        out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
-    else:
-        out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
-                                            num_splits=num_splits)
+    kwargs = {} if num_splits is None else {"num_splits": num_splits}
+    if tiles:  # tokens per tile, stages: small tiles put several tiles in a split and many splits in a row
+        kwargs["tiles"] = tiles
+    out = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
     assert_close(out, expected, dtype)
     # The last split of each (sequence, KV head) merged and reset its ticket: a second call (a graph
     # replay reuses the counters) gives the same bits.
     from reference_engine.kernels import split_merge
 
     assert not split_merge.tickets_for(q.device, 1).any()
-    again = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
-                                          num_splits=num_splits)
+    again = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
     assert torch.equal(again, out)
 
 

@@ -24,9 +24,10 @@ from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prolog
 from reference_engine.kernels.rope import norm_rope_heads
 from reference_engine.kernels.split_merge import last_to_arrive, merge_partials, tickets_for
 
-# Fewer tokens per split than this and the merge costs more than the parallelism gains.
-_MIN_TOKENS_PER_SPLIT = 128
-_MAX_SPLITS = 64
+# Fewer tokens per split than this and the merge costs more than the parallelism gains; more splits than
+# _MAX_SPLITS and the last program's merge (two splits per L2 round trip) costs more than it saves.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
 DOT_FP32_DEFAULT = False
 
 
@@ -36,15 +37,27 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): ~4 programs per SM, never splits under 128 tokens.
+    """Splits per (sequence, KV head): ~4 programs per SM, at least 256 tokens each, at most 32.
 
-    Tuned on an H200 (132 SMs, qwen3-4b shapes, benchmarks/kernels.py sweep): B=1 ctx 1024 -> 8 splits
-    (5.4 us, vs 14.6 us unsplit), B=1 ctx 4096 -> 32 (7.6 us vs 53 us), B=8 ctx 4096 -> 8 (34.7 us vs 132 us).
+    Tuned on an H200 (132 SMs, qwen3-4b shapes, `benchmarks/kernels.py` sweep, 2026-12-01), graph-replayed
+    us with the tiles of `choose_tile`: B=1 ctx 256 -> 1 split (4.3), ctx 1024 -> 4 (8.7, the best), ctx
+    4096 -> 16 (17.3; 18.2 at the old 32), ctx 16384 -> 32 (30.3; 38.6 at the old 64); B=8 ctx 1024 -> 4
+    (15.2), ctx 4096 -> 8 (42.6).
     """
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
     want = 4 * sms // (batch * num_kv_heads)
     most = max(1, max_tokens // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, most, _MAX_SPLITS))
+
+
+def choose_tile(batch: int, block_d: int) -> int:
+    """Tokens per loop trip. From 4 sequences up, 128: fewer trips per split (B=8 ctx 4096: 42.6 against 46.9
+    us; ctx 16384: 123 against 137). Below, 64: the 128-token tile's 128 KB of shared memory keeps the program
+    off SMs where the qkv projection still runs, so it loses its early (PDL) start; in qwen3-4b steps at
+    batch 1 attention plus o_proj took 17.2 us a layer with 128 against 14.2 with 64 (H200, 2026-12-01)."""
+    if block_d > 128:
+        return 32
+    return 128 if batch >= 4 else 64
 
 
 @triton.jit
@@ -151,8 +164,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        # One split: normalise and write the output directly, no merge launch.
+    if (NUM_SPLITS == 1) or (active == 1):
+        # One split holds every token (or the only one has tokens): normalise and write, no merge.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -183,8 +196,11 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     dot_fp32: bool | None = None,
+    tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_decode_attention.
+
+    `tiles` = (tokens per tile, pipeline stages) overrides the defaults (benchmarks/kernels.py sweeps them).
 
     `num_splits` overrides the automatic choice. `dot_fp32` runs the two matmuls on fp32 operands (bf16
     values are exact in tf32, and p keeps 10 mantissa bits instead of 7); it is forced under the Triton
@@ -194,7 +210,7 @@ def paged_decode_attention(
     assert q.stride(-1) == 1
     out = torch.empty_like(q)
     _launch(q, q.stride(0), q.stride(1), out, k_cache, v_cache, block_tables, seq_lens, scale, None,
-            num_q_heads=num_q_heads, num_splits=num_splits, dot_fp32=dot_fp32)
+            num_q_heads=num_q_heads, num_splits=num_splits, dot_fp32=dot_fp32, tiles=tiles)
     return out
 
 
@@ -233,6 +249,7 @@ def _launch(
     q: torch.Tensor, stride_qb: int, stride_qh: int, out: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     rope: tuple | None, *, num_q_heads: int, num_splits: int | None, dot_fp32: bool | None,
+    tiles: tuple[int, int] | None = None,
 ) -> None:
     batch, head_dim = out.shape[0], out.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -246,7 +263,7 @@ def _launch(
     use_pdl, pdl = launch_options(q)
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-    block_n = 64 if block_d <= 128 else 32
+    block_n, num_stages = tiles or (choose_tile(batch, block_d), 2)
     if num_splits > 1:
         rows = batch * num_q_heads * num_splits
         part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
@@ -271,5 +288,5 @@ def _launch(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FROM_QKV=rope is not None, NUM_Q_HEADS=num_q_heads, GROUP_P2=triton.next_power_of_2(group),
         # 8 warps: with 4, ptxas (sm_90) spills ~300 bytes a thread for the fp32 tiles.
-        USE_PDL=use_pdl, num_warps=8, num_stages=2, **pdl,
+        USE_PDL=use_pdl, num_warps=8, num_stages=num_stages, **pdl,
     )

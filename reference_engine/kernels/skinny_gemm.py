@@ -49,19 +49,21 @@ class GemmConfig:
 def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfig:
     """Tiles per shape, from the H200 sweep (benchmarks/skinny_gemm_sweep.py, qwen3-4b, docs/benchmarks.md).
 
-    One row: an FMA tile streams long K runs best (o_proj 7.5 us vs cuBLAS 10.2; down 15.0 vs 17.6). More
-    rows: the swap-AB MMA tile; narrow-N products (o_proj, down) split K in two so 80 column blocks still
-    fill 132 SMs. PDL helped the narrow products by ~0.5-1 us and slowed the wide SiLU one (28.5 -> 32.3 us,
-    its big shared-memory tiles block the early-launched next kernel), so it is on only where it helped.
+    One row: FMA tiles with a pipelined K loop stream best, gate_up + SiLU included (us with PDL: qkv 10.3,
+    o_proj 7.7, gate_up 26.9, down 14.5; cuBLAS GEMMs alone 11.6 / 9.5 / 30.5 / 17.6). More rows: the
+    swap-AB MMA tile; narrow-N products (o_proj, down) split K in two so 80 column blocks still fill 132
+    SMs. PDL helped the narrow MMA products by ~0.5-1 us and slowed the wide SiLU one (28.5 -> 32.3 us, its
+    big shared-memory tiles block the early-launched next kernel), so there it is on only where it helped.
     """
-    if silu:
-        cfg = GemmConfig(128, 128, 8, 3)
-    elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
+    if n >= 65536:  # LM head: many waves of programs, nothing to overlap
         cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
-    elif rows == 1:
-        cfg = (GemmConfig(4, 512, 8, 3, fma=True, pdl=True) if k >= 8192
-               else GemmConfig(8, 1024, 8, 3, fma=True, pdl=True) if k >= 4096
+    elif rows == 1:  # FMA tiles, the K loop pipelined (2026-12-01 sweep)
+        cfg = (GemmConfig(8, 256, 4, 4, fma=True, pdl=True) if silu
+               else GemmConfig(4, 512, 4, 3, fma=True, pdl=True) if k >= 8192
+               else GemmConfig(4, 1024, 4, 3, fma=True, pdl=True) if k >= 4096
                else GemmConfig(16, 512, 4, 3, fma=True, pdl=True))
+    elif silu:
+        cfg = GemmConfig(128, 128, 8, 3)
     elif n <= 4096:
         cfg = GemmConfig(64, 128, 4, 5, split_k=2, pdl=True)
     else:
@@ -87,7 +89,7 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
     FMA: tl.constexpr, USE_PDL: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # Output tile is [BLOCK_N, BLOCK_M] (columns x rows): the weight tile is the MMA's A operand in its
     # natural K-contiguous layout and the few activation rows are the narrow B operand ("swap AB").
@@ -110,7 +112,9 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, k_len, BLOCK_K):  # callers guarantee k_len % BLOCK_K == 0
+    # The loop's own num_stages: the launch option pipelines only loads that feed tl.dot, so without it the
+    # FMA tile's loads were not pipelined at all (no cp.async in the sm_90 PTX).
+    for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):  # callers guarantee k_len % BLOCK_K == 0
         xt = tl.load(xt_ptrs, mask=m_mask[None, :], other=0.0)
         if NORM:
             xf = xt.to(tl.float32)
@@ -213,7 +217,7 @@ def _launch(
         FMA=fma, USE_PDL=use_pdl,
         # The interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there; fp32 inputs get exact products.
         DOT_FP32=fp32 or INTERPRETED, PRECISION="ieee" if fp32 or INTERPRETED else "tf32",
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:
