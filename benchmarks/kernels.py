@@ -125,7 +125,8 @@ def bench_attention(batch: int, context: int, gen: torch.Generator, ref, tri) ->
     args = paged_inputs(batch, context, gen)
     kv_bytes = int(args[4].sum().item()) * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     shape = f"B={batch} ctx={context}"
-    splits = attention.choose_num_splits(batch, NUM_KV_HEADS, args[3].shape[1] * BLOCK_SIZE, args[0].device)
+    splits = attention.choose_num_splits(batch, NUM_KV_HEADS, args[3].shape[1] * BLOCK_SIZE, args[0].device,
+                                         tile=attention.choose_tile(batch, HEAD_DIM))
     scale = HEAD_DIM**-0.5
     variants = [
         ("attention split-K", lambda: tri.paged_decode_attention(*args, scale), f"{splits} splits"),
@@ -202,7 +203,8 @@ def sweep_splits(batch: int, context: int, gen: torch.Generator) -> str:
     from reference_engine.kernels import attention
 
     args = paged_inputs(batch, context, gen)
-    auto = attention.choose_num_splits(batch, NUM_KV_HEADS, context, args[0].device)
+    auto = attention.choose_num_splits(batch, NUM_KV_HEADS, context, args[0].device,
+                                       tile=attention.choose_tile(batch, HEAD_DIM))
     lines = []
     for tiles in TILE_SWEEP:
         cells = []

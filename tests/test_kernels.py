@@ -97,9 +97,11 @@ def make_paged_kv(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, seq
         (torch.float32, 8, 2, 16, [1, 37, 130], 3, (16, 2)),  # split-K, some splits empty for the short rows
         (torch.bfloat16, 4, 4, 8, [70, 9], None, None),  # MHA, small blocks, automatic split count
         (torch.bfloat16, 6, 2, 5, [23, 64], 4, (16, 3)),  # group 3 (padded), block size not a power of two
-        # 16-token tiles: 10 of 12 splits hold 4 tiles of the long row each (the merge folds them two at a
-        # time); 3 hold the short row's 3 tiles (its 9 empty splits exit without a ticket)
+        # 16-token tiles: 10 of 12 splits hold 4 tiles of the long row each (two merge levels: a run of 8
+        # and a run of 2); 3 hold the short row's 3 tiles (its 9 empty splits exit without a ticket)
         (torch.float32, 4, 2, 4, [600, 45], 12, (16, 2)),
+        # 19 of 32 splits active for the long row: a two-level merge (runs of 8, 8 and 3, then the runs)
+        (torch.bfloat16, 4, 2, 4, [600, 45], 32, (16, 2)),
     ],
 )
 def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, seq_lens, num_splits, tiles,
@@ -119,6 +121,7 @@ def test_paged_decode_attention(dtype, num_q_heads, num_kv_heads, block_size, se
     from reference_engine.kernels import split_merge
 
     assert not split_merge.tickets_for(q.device, 1).any()
+    assert not split_merge.counters_for(q.device, "attention run tickets", 1).any()
     again = TRITON.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
     assert torch.equal(again, out)
 

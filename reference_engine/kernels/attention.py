@@ -22,12 +22,21 @@ import triton.language as tl
 
 from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
 from reference_engine.kernels.rope import norm_rope_heads
-from reference_engine.kernels.split_merge import last_to_arrive, merge_partials, tickets_for
+from reference_engine.kernels.split_merge import (
+    counters_for,
+    fold_partials,
+    last_to_arrive,
+    merge_partials,
+    store_partial,
+    tickets_for,
+)
 
-# Fewer tokens per split than this and the merge costs more than the parallelism gains; more splits than
-# _MAX_SPLITS and the last program's merge (two splits per L2 round trip) costs more than it saves.
-_MIN_TOKENS_PER_SPLIT = 256
+# Fewer tiles per split than this and the merge costs more than the parallelism gains; more splits than
+# _MAX_SPLITS and the merge (two levels, two splits per L2 round trip) costs more than it saves.
+_MIN_TILES_PER_SPLIT = 2
 _MAX_SPLITS = 32
+# Above this many active splits the merge runs in two levels (runs of this many splits, then the runs).
+_MERGE_GROUP = 8
 DOT_FP32_DEFAULT = False
 
 
@@ -36,17 +45,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): ~4 programs per SM, at least 256 tokens each, at most 32.
+def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device, *,
+                      tile: int = 64) -> int:
+    """Splits per (sequence, KV head): ~4 programs per SM, at least two `tile`-token tiles each, at most 32.
 
-    Tuned on an H200 (132 SMs, qwen3-4b shapes, `benchmarks/kernels.py` sweep, 2026-12-01), graph-replayed
-    us with the tiles of `choose_tile`: B=1 ctx 256 -> 1 split (4.3), ctx 1024 -> 4 (8.7, the best), ctx
-    4096 -> 16 (17.3; 18.2 at the old 32), ctx 16384 -> 32 (30.3; 38.6 at the old 64); B=8 ctx 1024 -> 4
-    (15.2), ctx 4096 -> 8 (42.6).
+    Tuned on an H200 (132 SMs, qwen3-4b shapes, two-level merge, `benchmarks/kernels.py` sweep, 2026-12-01),
+    graph-replayed us with the tiles of `choose_tile`: B=1 ctx 1024 -> 8 splits (9.9; 9.5 at 4), ctx 4096 ->
+    32 (13.8), ctx 16384 -> 32 (23.4); B=8 ctx 1024 -> 4 (15.1), ctx 4096 -> 8 (42.6), ctx 16384 -> 8 (133;
+    120 at 32, but 8 already fill the SMs at that batch).
     """
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
     want = 4 * sms // (batch * num_kv_heads)
-    most = max(1, max_tokens // _MIN_TOKENS_PER_SPLIT)
+    most = max(1, max_tokens // (_MIN_TILES_PER_SPLIT * tile))
     return max(1, min(want, most, _MAX_SPLITS))
 
 
@@ -63,7 +73,7 @@ def choose_tile(batch: int, block_d: int) -> int:
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    tickets_ptr, scale,
+    tickets_ptr, group_tickets_ptr, scale,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, eps,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -73,7 +83,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, USE_PDL: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
-    GROUP_P2: tl.constexpr,
+    GROUP_P2: tl.constexpr, MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,12 +188,31 @@ def _decode_split_kernel(
         tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
         tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
         tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
+        # Two splits a round trip: of 2, 4 and 8 this was the fastest merge at batch 1 (H200).
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
-        if last_to_arrive(ticket_ptr, active):
-            # Two splits a round: of 2, 4 and 8 this was the fastest merge at batch 1 (H200).
-            merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active,
-                           kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
-            tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
+        if active <= MERGE_GROUP:
+            if last_to_arrive(ticket_ptr, active):
+                merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
+                               kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
+                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
+        else:
+            # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the
+            # run's first split, and the last run to finish merges those (16 -> 6 round trips at 32 splits).
+            lo = split // MERGE_GROUP * MERGE_GROUP
+            run = (seq * num_kv_heads + kv_head) * NUM_GROUPS + split // MERGE_GROUP
+            run_ticket = group_tickets_ptr + run
+            if last_to_arrive(run_ticket, tl.minimum(active - lo, MERGE_GROUP)):
+                m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo,
+                                                      tl.minimum(active - lo, MERGE_GROUP), 1,
+                                                      NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, 2)
+                store_partial(part_acc_ptr, part_ml_ptr, first_row, lo, m_run, l_run, acc_run,
+                              NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D)
+                tl.atomic_xchg(run_ticket, 0)
+                if last_to_arrive(ticket_ptr, tl.cdiv(active, MERGE_GROUP)):
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row,
+                                   tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
+                                   NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
+                    tl.atomic_xchg(ticket_ptr, 0)
 
 
 def paged_decode_attention(
@@ -256,14 +285,14 @@ def _launch(
     group = num_q_heads // num_kv_heads
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     max_tokens = block_tables.shape[1] * block_size
+    block_d = triton.next_power_of_2(head_dim)
+    block_n, num_stages = tiles or (choose_tile(batch, block_d), 2)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, q.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, q.device, tile=block_n)
     if dot_fp32 is None or INTERPRETED:
         dot_fp32 = DOT_FP32_DEFAULT or INTERPRETED
     use_pdl, pdl = launch_options(q)
-    block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-    block_n, num_stages = tiles or (choose_tile(batch, block_d), 2)
     if num_splits > 1:
         rows = batch * num_q_heads * num_splits
         part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
@@ -271,11 +300,13 @@ def _launch(
     else:
         part_acc = part_ml = out  # unused
     tickets = tickets_for(q.device, batch * num_kv_heads)
+    num_groups = triton.cdiv(num_splits, _MERGE_GROUP)
+    group_tickets = counters_for(q.device, "attention run tickets", batch * num_kv_heads * num_groups)
     # Without rope the fused-RoPE arguments are placeholders the kernel never reads.
     q_norm, k_norm, cos, sin, slots, stride_cos, eps = rope or (q, q, q, q, seq_lens, 0, 0.0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
-        tickets, scale,
+        tickets, group_tickets, scale,
         q_norm, k_norm, cos, sin, slots, stride_cos, eps,
         stride_qb, stride_qh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -287,6 +318,7 @@ def _launch(
         # fp32 caches (tests) get exact fp32 products; bf16 values are exact in tf32 anyway.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FROM_QKV=rope is not None, NUM_Q_HEADS=num_q_heads, GROUP_P2=triton.next_power_of_2(group),
+        MERGE_GROUP=_MERGE_GROUP, NUM_GROUPS=num_groups,
         # 8 warps: with 4, ptxas (sm_90) spills ~300 bytes a thread for the fp32 tiles.
         USE_PDL=use_pdl, num_warps=8, num_stages=num_stages, **pdl,
     )
