@@ -276,3 +276,28 @@ def test_run_records_async_scheduling_from_the_server_command():
     vllm = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
     assert async_scheduling_of(vllm) is None  # vLLM's default is not ours to guess
     assert async_scheduling_of([*vllm, "--async-scheduling"]) is True
+
+
+def test_case_study_table_runs_each_configuration_under_overshoot(tmp_path):
+    """benchmarks/case_study_table.py: one `overshoot run` per configuration, the report's decode group at one
+    request per row (tiny, CPU: no GPU times, so GPU idle is n/a and the thread never waits on a GPU)."""
+    script = REPO / "benchmarks" / "case_study_table.py"
+    done = subprocess.run(
+        [sys.executable, script, "--preset", "tiny", "--configs", "eager-torch,step-torch",
+         "--max-tokens", "8", "--requests", "2", "--out", tmp_path / "runs",
+         "--json", tmp_path / "rows.json"],
+        capture_output=True, text=True, timeout=300, env=cli_env(), cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["name"] for r in rows] == ["eager-torch", "step-torch"]
+    for row in rows:
+        assert row["steps"] >= 8 and row["step_ms_median"] > 0 and row["gpu_idle_pct"] is None
+        assert 0 <= row["cpu_bound_pct"] <= 100 and row["tok_s_per_request"] > 0
+        assert (tmp_path / "runs" / row["name"] / "meta.json").exists()
+    table = done.stdout.splitlines()
+    assert any(line.startswith("| no graphs, torch kernels | ") and "| n/a |" in line for line in table)
+    assert any(line.startswith("| one graph per step, torch | ") for line in table)
+    bad = subprocess.run([sys.executable, script, "--configs", "eager-fast"], capture_output=True, text=True,
+                         timeout=60, env=cli_env())
+    assert bad.returncode == 2 and "unknown configuration ['eager-fast']" in bad.stderr

@@ -1,0 +1,117 @@
+"""The case study's table on the reference engine: per configuration, overshoot's decode step and GPU idle.
+
+    python benchmarks/case_study_table.py [--preset qwen3-4b] [--configs eager-torch,...] [--out DIR]
+
+Each configuration is one `overshoot run` (its own server lifetime, hooks injected, one request at a time,
+fixed output length with ignore_eos), then `overshoot report --json` of that run directory. Printed per
+configuration, for the decode steps at one request: median step, GPU idle waiting on the CPU (share of the
+step), CPU busy share, CPU-bound steps, and the client's tokens/s per request. The configurations walk the
+case study's path on our engine: no graphs -> a graph per model forward (vLLM's default) -> one CUDA graph
+per whole step, each with the torch and the Triton decode kernels, all with async scheduling, plus the
+one-graph step without async scheduling. On a CPU (tiny preset) GPU idle is n/a: no CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {  # name: (label, reference_engine serve flags)
+    "eager-torch": ("no graphs, torch kernels", ["--graph", "eager", "--kernels", "torch"]),
+    "eager-triton": ("no graphs, Triton decode kernels", ["--graph", "eager", "--kernels", "triton"]),
+    "model-torch": ("graph per model forward, torch", ["--graph", "model", "--kernels", "torch"]),
+    "model-triton": ("graph per model forward, Triton", ["--graph", "model", "--kernels", "triton"]),
+    "step-torch": ("one graph per step, torch", ["--graph", "step", "--kernels", "torch"]),
+    "step-triton": ("one graph per step, Triton", ["--graph", "step", "--kernels", "triton"]),
+    "step-triton-sync": ("one graph per step, Triton, sync", ["--graph", "step", "--kernels", "triton",
+                                                              "--no-async-scheduling"]),
+}
+
+
+def run_config(name: str, args: argparse.Namespace) -> dict:
+    """One server lifetime under `overshoot run`; the decode group at one request from its report."""
+    label, flags = CONFIGS[name]
+    out = args.out / name
+    serve = [sys.executable, "-m", "reference_engine", "serve", "--preset", args.preset, *flags,
+             "--port", "{port}"]
+    if "--no-async-scheduling" not in flags:
+        serve.append("--async-scheduling")
+    cli = [sys.executable, "-m", "overshoot.cli"]
+    run = [*cli, "run", "--concurrency", "1", "--max-tokens", str(args.max_tokens), "--requests",
+           str(args.requests), "--prompt-tokens", str(args.prompt_tokens), "--engine", "reference",
+           "--out", str(out), "--", *serve]
+    started = time.perf_counter()
+    done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return {"name": name, "label": label, "error": f"overshoot run exited {done.returncode}: {tail[0]}"}
+    report = subprocess.run([*cli, "report", str(out), "--json"], cwd=ROOT, capture_output=True, text=True)
+    if report.returncode != 0:
+        return {"name": name, "label": label, "error": f"overshoot report exited {report.returncode}"}
+    data = json.loads(report.stdout)
+    decode = [g for g in data["groups"]
+              if g["phase"] == "decode" and g["concurrency"] == 1 and g["load_window"] == "level"]
+    client = [c for c in data.get("client") or [] if c.get("concurrency") == 1]
+    row = {"name": name, "label": label, "seconds": round(time.perf_counter() - started, 1),
+           "tok_s_per_request": client[0].get("tokens_per_s_per_request") if client else None}
+    if not decode:
+        return row | {"error": "no decode steps at one request in the report"}
+    group = max(decode, key=lambda g: g["steps"])
+    return row | {key: group[key] for key in ("steps", "step_ms_median", "gpu_idle_pct", "cpu_share_pct",
+                                               "cpu_bound_pct", "gpu_ms_median")}
+
+
+def fmt(value, spec: str, missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], preset: str) -> None:
+    print(f"\n{preset}, one request, decode steps (overshoot report), async scheduling unless noted")
+    print("| configuration | decode step ms | GPU idle waiting on the CPU % | CPU busy % | "
+          "CPU-bound steps % | tok/s per request |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['label']} | error: {r['error']} | | | | |")
+            continue
+        print(f"| {r['label']} | {fmt(r['step_ms_median'], '.3f')} | {fmt(r['gpu_idle_pct'], '.1f')} | "
+              f"{fmt(r['cpu_share_pct'], '.0f')} | {fmt(r['cpu_bound_pct'], '.0f')} | "
+              f"{fmt(r['tok_s_per_request'], '.0f')} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-4b")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated of {', '.join(CONFIGS)}")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("runs") / "case_study_table")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        print(f"case_study_table: unknown configuration {unknown or names}; known: {', '.join(CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    args.out = args.out.resolve()
+    rows = []
+    for name in names:
+        rows.append(run_config(name, args))
+        print(f"{name}: {json.dumps(rows[-1])}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print_table(rows, args.preset)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
