@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     serve.add_argument("--num-blocks", type=positive_int, help="KV-cache blocks (default: enough for all)")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--spec-tokens", type=int, default=0,
+                       help="prompt-lookup draft tokens verified per decode step (eager, sync; 0: off)")
     serve.add_argument("--queue-limit", type=positive_int,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 (default: none)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             preset=args.preset, model=args.model, max_model_len=args.max_model_len, device=args.device,
             graph=args.graph, kernels=args.kernels, async_scheduling=args.async_scheduling,
             max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
-            seed=args.seed, queue_limit=args.queue_limit,
+            seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens,
         )
     except (ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -35,6 +35,7 @@ PRESETS: dict[str, dict] = {
 }
 
 GRAPH_MODES = ("eager", "model", "step")
+MAX_SPEC_TOKENS = 32
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -70,6 +71,9 @@ class Config:
     max_num_batched_tokens: int | None = None  # prefill token budget per step; None: max(max_model_len, 2048)
     seed: int = 0
     queue_limit: int | None = None  # for the server: pending requests beyond this are refused
+    # Speculative decoding: up to this many prompt-lookup draft tokens per greedy sequence and decode step,
+    # verified in one eager forward (sync scheduling). 0: off.
+    spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.model is not None:
@@ -139,6 +143,11 @@ class Config:
             raise ValueError(f"queue_limit must be positive, got {self.queue_limit}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be at least max_model_len (prefill is not chunked)")
+        if not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"spec_tokens must be 0..{MAX_SPEC_TOKENS}, got {self.spec_tokens!r}")
+        if self.spec_tokens and (self.graph != "eager" or self.async_scheduling):
+            raise ValueError("spec_tokens needs graph 'eager' and sync scheduling (drafts are verified in an "
+                             "eager step; inside the one-graph step is the roadmap)")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

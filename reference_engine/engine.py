@@ -9,6 +9,12 @@ needs the previous token on the host: each sequence's latest token lives in a de
 that the sampler writes and the next step reads. Sampled tokens are copied to a pinned host buffer with an
 event, and consumed one step later. The cost: a sequence that hit EOS runs one extra step (its token is
 dropped).
+
+Speculative decoding (Config.spec_tokens, eager and sync only): the scheduler attaches prompt-lookup drafts to
+greedy sequences; prepare_inputs builds one row per sequence token to check (its last token, then its drafts,
+at consecutive positions); launch runs them as one eager forward (`StepRunner.verify`); update_requests keeps
+the drafts that equal the target's tokens plus the target's next token. All of it runs on the host around the
+step, the CPU work a general engine pays (the case study's baseline); the in-graph version is the roadmap's.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from reference_engine.kv_cache import allocate_kv_cache
 from reference_engine.model import Qwen3Model
 from reference_engine.sampler import SamplingParams
 from reference_engine.scheduler import OutputCallback, ScheduledBatch, Scheduler, Sequence
+from reference_engine.speculative import accept, verify_rows
 from reference_engine.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "EngineStats", "SamplingParams", "ScheduledBatch", "Sequence"]
@@ -52,6 +59,8 @@ class EngineStats:
     graph_captures: int = 0
     preemptions: int = 0
     tokens_generated: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified, and how many of them were accepted
+    accepted_tokens: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,8 +71,9 @@ class InFlight:
     """A launched step whose sampled tokens are on their way to the host."""
 
     batch: ScheduledBatch
-    host_tokens: torch.Tensor  # pinned view [num_seqs], valid once `ready` has completed
+    host_tokens: torch.Tensor  # pinned view [rows], valid once `ready` has completed
     ready: torch.cuda.Event | None  # None on CPU: the copy was synchronous
+    rows: list[int] | None = None  # verify steps: rows per sequence (its last token + its drafts)
 
 
 class Engine:
@@ -237,6 +247,8 @@ class Engine:
         inputs = {"slot": slot, "padded": padded, "greedy_only": all(s.params.greedy for s in batch.seqs)}
         if batch.phase == "prefill":
             inputs.update(self._prefill_arrays(batch))
+        elif self.config.spec_tokens:
+            inputs.update(verify_rows(batch, self.config))
         return inputs
 
     def _prefill_arrays(self, batch: ScheduledBatch) -> dict:
@@ -259,26 +271,35 @@ class Engine:
 
     def launch(self, batch: ScheduledBatch, inputs: dict) -> InFlight:
         """Queue all of the step's device work on `self.stream`: copies in, compute, copy of tokens out."""
-        out = self.buffers.host_out[inputs["slot"]][: batch.num_seqs]
+        rows = inputs.get("verify")
+        if rows is None:
+            out = self.buffers.host_out[inputs["slot"]][: batch.num_seqs]
+        else:
+            out = self.buffers.host_verify_out[inputs["slot"]][: sum(rows)]
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
             if batch.phase == "prefill":
                 self.runner.prefill(inputs)
                 self.stats.prefill_steps += 1
+                sampled = self.buffers.sampled[: batch.num_seqs]
+            elif rows is not None:
+                sampled = self.runner.verify(inputs)
+                self.stats.decode_steps += 1
             else:
                 if self.runner.decode(inputs):
                     self.stats.graph_replays += 1
                 self.stats.decode_steps += 1
-            out.copy_(self.buffers.sampled[: batch.num_seqs], non_blocking=True)
+                sampled = self.buffers.sampled[: batch.num_seqs]
+            out.copy_(sampled, non_blocking=True)
             ready = None
             if self.stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
         self.stats.graph_captures = len(self.graphs.graphs)
         for seq in batch.seqs:
-            seq.num_cached = seq.num_tokens
+            seq.num_cached = seq.num_tokens  # verify steps: set again once the accepted count is known
             seq.num_pending += 1
-        return InFlight(batch, out, ready)
+        return InFlight(batch, out, ready, rows)
 
     def wait_for_results(self, inflight: InFlight) -> list[int]:
         """Block until the step's sampled tokens are on the host."""
@@ -287,24 +308,37 @@ class Engine:
         return inflight.host_tokens.tolist()
 
     def update_requests(self, inflight: InFlight, tokens: list[int]) -> None:
-        """Append each sequence's token, stop finished ones (EOS, max_tokens, max_model_len), call back."""
-        for seq, token in zip(inflight.batch.seqs, tokens, strict=True):
+        """Append each sequence's new tokens, stop finished ones (EOS, max_tokens, max_model_len)."""
+        if inflight.rows is None:
+            per_seq = [[token] for token in tokens]
+        else:
+            per_seq, drafted, accepted = accept(inflight.batch, inflight.rows, tokens)
+            self.stats.draft_tokens += drafted
+            self.stats.accepted_tokens += accepted
+        for seq, new in zip(inflight.batch.seqs, per_seq, strict=True):
             if seq.finished:
                 continue  # aborted, or the extra async step after its last token
             seq.num_pending -= 1
-            seq.output_ids.append(token)
-            self.stats.tokens_generated += 1
-            reason = None
-            if token == self.eos_token_id and not seq.params.ignore_eos:
-                reason = "stop"
-            elif len(seq.output_ids) >= seq.params.max_tokens:
-                reason = "length"
-            elif len(seq.prompt_ids) + len(seq.output_ids) >= self.config.max_model_len:
-                reason = "length"
+            emitted, reason = [], None
+            for token in new:
+                seq.output_ids.append(token)
+                emitted.append(token)
+                self.stats.tokens_generated += 1
+                if token == self.eos_token_id and not seq.params.ignore_eos:
+                    reason = "stop"
+                elif len(seq.output_ids) >= seq.params.max_tokens:
+                    reason = "length"
+                elif len(seq.prompt_ids) + len(seq.output_ids) >= self.config.max_model_len:
+                    reason = "length"
+                if reason is not None:
+                    break
+            if inflight.rows is not None:
+                # The k/v of the last token and the accepted drafts are valid; the newest token has none yet.
+                seq.num_cached = len(seq.known_ids) - 1
             if reason is not None:
-                self._finish(seq, reason, new_tokens=[token])
+                self._finish(seq, reason, new_tokens=emitted)
             else:
-                self._emit(seq, [token], False, None)
+                self._emit(seq, emitted, False, None)
 
     # --- helpers
     def _handle(self, item: tuple) -> None:

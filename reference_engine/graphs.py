@@ -18,7 +18,8 @@ Graph modes (Config.graph):
 Both capture a key on its second use: the first use runs eagerly, so one-time setup (cuBLAS handles, Triton
 autotuning, allocator growth) never happens inside a capture.
 
-Speculative decoding (roadmap: inside the one-graph step) fits this frame without a rewrite:
+Speculative decoding runs today as eager verify steps with host-side drafts and acceptance (Engine docstring,
+`StepRunner.verify`). Inside the one-graph step (the roadmap) it fits this frame without a rewrite:
 - the metadata row gains a draft-length column and the scheduler reserves blocks for num_cached + k + 1;
 - the step function becomes drafter (k tokens, reading its input from the token buffer like today) -> target
   forward over the (1 + k) tokens of each row (the same paged cache, slot mapping computed on the device) ->
@@ -50,6 +51,9 @@ logger = logging.getLogger("reference_engine")
 
 META_SLOT, META_POSITION, META_TOP_K, META_SEED, META_TEMPERATURE, META_TOP_P = range(6)
 META_BLOCKS = 6
+# Host arrays of a verify step (Engine._verify_arrays), one row per sequence token checked.
+VERIFY_ARRAYS = ("ids", "positions", "slot_mapping", "block_tables", "seq_lens", "temperature", "top_p",
+                 "top_k", "seeds")
 
 
 def float_bits(value: float) -> int:
@@ -73,6 +77,9 @@ class StepBuffers:
         # Latest sampled token per sequence slot; the extra last row is the padding rows' slot.
         self.tokens = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.padding_slot = rows
+        # Verify steps (speculative decoding): every sequence's last token and drafts, one sampled token each.
+        verify_rows = rows * (1 + config.spec_tokens) if config.spec_tokens else 0
+        self.host_verify_out = [torch.zeros(verify_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._next = 0
 
     def next_slot(self) -> int:
@@ -212,6 +219,21 @@ class StepRunner:
             logits = self.model.compute_logits(self.model.forward(ids, positions, self.kv_caches, attn))
         self._sample_and_store(meta, logits, greedy_only)
         return replayed
+
+    def verify(self, inputs: dict) -> torch.Tensor:
+        """A speculative step, eagerly: the forward over every sequence's last token and drafts (rows built on
+        the host), one token sampled per row. Returns the sampled tokens [rows] on the device."""
+        device = self.buffers.tokens.device
+        t = {key: inputs[key].to(device, non_blocking=True) for key in VERIFY_ARRAYS}
+        attn = AttentionMetadata(t["slot_mapping"], block_tables=t["block_tables"], seq_lens=t["seq_lens"],
+                                 shared_rows=True)
+        logits = self.model.compute_logits(self.model.forward(t["ids"], t["positions"], self.kv_caches, attn))
+        greedy_only = inputs["greedy_only"]
+        return sample(
+            logits, temperature=t["temperature"], top_p=t["top_p"], top_k=t["top_k"], seeds=t["seeds"],
+            positions=None if greedy_only else t["positions"] + 1, greedy_only=greedy_only,
+            argmax=self.model.ops.argmax,
+        )
 
     def _static_forward(self, size: int) -> None:
         attn = AttentionMetadata(

@@ -46,6 +46,9 @@ class AttentionMetadata:
     cu_seqlens: list[int] | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    # Verify steps: several decode rows belong to one sequence (its last token and drafts), so every row's k/v
+    # must be in the cache before any row attends; the fused prologue + attention launch cannot promise that.
+    shared_rows: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -167,7 +170,8 @@ class Qwen3Model:
         tokens = x.shape[0]
         qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps)
         heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
-        if layer.q_norm is not None and not meta.is_prefill:  # Qwen3 decode: prologue and attention, one op
+        if layer.q_norm is not None and not meta.is_prefill and not meta.shared_rows:
+            # Qwen3 decode: prologue and attention, one op
             out = self.ops.decode_attention_from_qkv(
                 qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, self.scale, eps=cfg.rms_norm_eps, **heads,

@@ -2,7 +2,8 @@
 
 Prefill and decode are separate steps (no chunked prefill): a step either prefills newly admitted sequences
 (whole prompts, up to the token budget) or decodes one token for every running sequence. Prefill goes first,
-so a new request waits at most one step to join.
+so a new request waits at most one step to join. With speculative decoding (Config.spec_tokens) a decode
+step also carries each greedy sequence's prompt-lookup drafts (speculative.py), which take only free blocks.
 
 Admission control: a waiting sequence is admitted (FIFO, no overtaking) only when a sequence slot is free and
 the blocks for its whole known text are free now. Preemption: when a decode step needs a new block and none is
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from reference_engine.config import Config
 from reference_engine.kv_cache import BlockManager
 from reference_engine.sampler import SamplingParams
+from reference_engine.speculative import propose
 
 OutputCallback = Callable[[list[int], bool, "str | None"], None]
 
@@ -42,6 +44,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose k/v are in the cache
     num_pending: int = 0  # tokens launched whose values have not reached the host
     slot: int = -1  # row of the device token buffer holding this sequence's latest sampled token
+    draft: list[int] = field(default_factory=list)  # draft tokens scheduled for verification this step
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -63,7 +66,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     phase: str  # prefill | decode
     num_tokens: int
-    spec_tokens: int = 0  # draft tokens verified in this step (no speculation yet)
+    spec_tokens: int = 0  # draft tokens verified in this step (each sequence's in Sequence.draft)
 
     @property
     def num_seqs(self) -> int:
@@ -117,18 +120,36 @@ class Scheduler:
             if seq.status != "running" or not self.can_decode(seq):
                 continue
             # This step writes k/v at position num_cached, so the table must hold num_cached + 1 tokens.
-            while (
-                len(seq.block_table) < self.blocks.blocks_for(seq.num_cached + 1) and not self.blocks.num_free
-            ):
+            needed = seq.num_cached + 1
+            while len(seq.block_table) < self.blocks.blocks_for(needed) and not self.blocks.num_free:
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status != "running":
                 continue
-            self.blocks.allocate(seq.block_table, seq.num_cached + 1)
+            self.blocks.allocate(seq.block_table, needed)
+            # Drafts write k/v after it: they take the room left in the table and the free blocks, and never
+            # preempt anyone.
+            room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - needed
+            seq.draft = self._draft(seq)[: max(room, 0)]
+            self.blocks.allocate(seq.block_table, needed + len(seq.draft))
             scheduled.append(seq)
-        return ScheduledBatch(scheduled, "decode", len(scheduled)) if scheduled else None
+        if not scheduled:
+            return None
+        drafts = sum(len(seq.draft) for seq in scheduled)
+        return ScheduledBatch(scheduled, "decode", len(scheduled) + drafts, spec_tokens=drafts)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Prompt-lookup drafts for a greedy sequence, never past its max_tokens or max_model_len (the verify
+        step yields up to len(draft) + 1 tokens). Sampled sequences get none: verifying them needs rejection
+        sampling, which this engine does not do yet."""
+        k = self.config.spec_tokens
+        if not k or not seq.params.greedy:
+            return []
+        room = min(seq.params.max_tokens - len(seq.output_ids) - seq.num_pending,
+                   self.config.max_model_len - seq.num_tokens) - 1
+        return propose(seq.known_ids, min(k, room)) if room > 0 else []
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from reference_engine.config import Config
-from reference_engine.engine import Engine, SamplingParams
+from reference_engine.engine import Engine, SamplingParams, ScheduledBatch
 from reference_engine.kv_cache import allocate_kv_cache
 from reference_engine.model import AttentionMetadata, Qwen3Model
+from reference_engine.speculative import accept, propose
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
 MAX_TOKENS = [12, 30, 7, 20]
@@ -238,3 +239,91 @@ def test_raising_callback_ends_only_its_request_and_shutdown_ends_the_rest(model
     never_run = idle.submit(PROMPTS[3], greedy(5))
     idle.shutdown()
     assert never_run.done.is_set() and never_run.finish_reason == "abort"
+
+
+# --- speculative decoding (prompt-lookup drafts, verified in one eager step)
+
+# A repetitive tail: the drafter finds earlier occurrences, so most steps verify drafts.
+SPEC_PROMPTS = [PROMPTS[1] + [5, 6, 7, 8] * 4, PROMPTS[3]]
+
+
+def test_spec_decoding_gives_the_greedy_tokens_of_plain_decoding(model):
+    """Drafts change how many steps run, never the greedy tokens: solo and batched, with max_tokens landing
+    inside a verified run."""
+    params = [greedy(23), greedy(17)]
+    plain = make_engine(model, max_model_len=96)
+    expected = [plain.generate([p], sp)[0] for p, sp in zip(SPEC_PROMPTS, params, strict=True)]
+    spec = make_engine(model, max_model_len=96, spec_tokens=4)
+    solo = [spec.generate([p], sp)[0] for p, sp in zip(SPEC_PROMPTS, params, strict=True)]
+    assert solo == expected
+    stats = spec.stats
+    assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+    # Alone, each accepted draft saves one decode step (the first token comes from the prefill).
+    assert plain.stats.decode_steps == (23 - 1) + (17 - 1)
+    assert stats.decode_steps == plain.stats.decode_steps - stats.accepted_tokens
+    assert spec.generate(SPEC_PROMPTS, params) == expected
+    assert spec.stats.tokens_generated == 2 * (23 + 17)
+    # Sampled requests get no drafts, and the same samples as without speculation (same noise positions).
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    assert spec.generate([SPEC_PROMPTS[0]], sampled) == plain.generate([SPEC_PROMPTS[0]], sampled)
+    assert spec.scheduler.blocks.num_free == spec.scheduler.blocks.num_usable
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU check through Triton's interpreter"
+)
+def test_spec_decoding_with_triton_kernels(model):
+    """The Triton set verifies through its unfused prologue (every row's k/v cached before any row attends)
+    and row-major block tables; drafts are proposed and accepted from the third decode step on."""
+    plain = make_engine(model, kernels="triton", max_model_len=96)
+    spec = make_engine(model, kernels="triton", max_model_len=96, spec_tokens=4)
+    expected = plain.generate([SPEC_PROMPTS[0]], greedy(8))
+    assert spec.generate([SPEC_PROMPTS[0]], greedy(8)) == expected
+    assert spec.stats.accepted_tokens > 0 and spec.stats.decode_steps < plain.stats.decode_steps
+
+
+def test_spec_batches_report_drafts_and_accept_the_matching_prefix(model):
+    engine = make_engine(model, spec_tokens=3)
+    request = engine.submit(SPEC_PROMPTS[0], greedy(20))
+    engine.step()  # prefill
+    for _ in range(10):  # decode until the tail of prompt + output occurred before (the 3rd step here)
+        batch = engine.schedule()
+        if batch.spec_tokens:
+            break
+        inflight = engine.launch(batch, engine.prepare_inputs(batch))
+        engine.update_requests(inflight, engine.wait_for_results(inflight))
+    assert batch.phase == "decode" and request.draft
+    assert request.draft == propose(request.known_ids, 3)
+    assert (batch.spec_tokens, batch.num_tokens) == (len(request.draft), 1 + len(request.draft))
+    assert propose([9, 5, 6, 7, 8, 1, 5, 6, 7], 3) == [8, 1, 5]  # the longest tail [5, 6, 7] occurred before
+    # Verification: drafts are taken while they equal the target's tokens, plus the target's next token.
+    drafted = ScheduledBatch([request], "decode", 4, spec_tokens=3)
+    request.draft = [5, 6, 7]
+    assert accept(drafted, [4], [5, 6, 9, 1]) == ([[5, 6, 9]], 3, 2)
+    assert accept(drafted, [4], [1, 6, 7, 2]) == ([[1]], 3, 0)
+    assert accept(drafted, [4], [5, 6, 7, 2]) == ([[5, 6, 7, 2]], 3, 3)
+    # Drafts never run past max_tokens: one token left -> no drafts.
+    near_end = engine.submit(SPEC_PROMPTS[0], greedy(1))
+    assert engine.scheduler._draft(near_end) == []
+    sampled = engine.submit(SPEC_PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.8))
+    assert engine.scheduler._draft(sampled) == []  # sampling would need rejection sampling
+
+
+def test_spec_decoding_under_block_pressure(model):
+    """Drafts take only free room: they never preempt, and preempted requests still give the solo tokens."""
+    plain = make_engine(model)
+    expected = [plain.generate([p], greedy(m))[0] for p, m in zip(SPEC_PROMPTS, (40, 30), strict=True)]
+    engine = make_engine(model, num_blocks=7, spec_tokens=6)
+    got = engine.generate(SPEC_PROMPTS, [greedy(40), greedy(30)])
+    assert got == expected
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_usable
+
+
+def test_spec_tokens_config_errors():
+    for changes, message in [
+        (dict(spec_tokens=-1), "spec_tokens must be 0..32"),
+        (dict(spec_tokens=4, graph="step"), "spec_tokens needs graph 'eager' and sync scheduling"),
+        (dict(spec_tokens=4, async_scheduling=True), "spec_tokens needs graph 'eager' and sync scheduling"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Config(preset="tiny", device="cpu", **changes)

@@ -301,3 +301,23 @@ def test_case_study_table_runs_each_configuration_under_overshoot(tmp_path):
     bad = subprocess.run([sys.executable, script, "--configs", "eager-fast"], capture_output=True, text=True,
                          timeout=60, env=cli_env())
     assert bad.returncode == 2 and "unknown configuration ['eager-fast']" in bad.stderr
+
+
+def test_run_records_the_drafts_of_a_speculating_engine(tmp_path):
+    """A reference server with --spec-tokens: each decode step's spec_tokens (drafts verified) lands in the
+    steps table, and num_tokens counts them (batch rows + drafts)."""
+    run_dir = tmp_path / "spec"
+    result = overshoot(
+        "run", "--concurrency", "1", "--max-tokens", "48", "--requests", "2", "--out", run_dir, "--",
+        sys.executable, "-m", "reference_engine", "serve", "--preset", "tiny", "--spec-tokens", "4",
+        "--port", "{port}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = tmp_path / "steps.parquet"
+    assert overshoot("export", run_dir, "-o", out).returncode == 0
+    decode = pd.read_parquet(out).query("phase == 'decode'")
+    assert (decode["spec_tokens"] > 0).any() and decode["spec_tokens"].max() <= 4
+    assert (decode["num_tokens"] == decode["batch_size"] + decode["spec_tokens"]).all()
+    bad = subprocess.run([sys.executable, "-m", "reference_engine", "serve", "--spec-tokens", "4", "--graph",
+                          "step"], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert bad.returncode == 2 and "spec_tokens needs graph 'eager'" in bad.stderr.strip().splitlines()[-1]

@@ -284,6 +284,7 @@ def _launch(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(-1) == 1, "block tables must be row-major (the kernel steps along a row)"
     max_tokens = block_tables.shape[1] * block_size
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_stages = tiles or (choose_tile(batch, block_d), 2)
