@@ -255,6 +255,10 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
         # GPU idle share, time-weighted: sum of GPU idle before the steps / sum of those steps' durations.
         out["gpu_idle_pct"] = 100.0 * total(np.nan_to_num(idle)) / total(np.where(has_gpu, step, 0.0))
         out["cpu_share_pct"] = 100.0 * total(df["busy_ms"].to_numpy()) / total(step)
+        if "spec_tokens" in df.columns:  # speculating engines: draft tokens verified per step, on average
+            drafts = pd.to_numeric(df["spec_tokens"], errors="coerce").fillna(0).to_numpy(dtype="float64")
+            if drafts.any():
+                out["spec_tokens_mean"] = total(drafts) / count
         model = total(df["model_ms"].to_numpy())
         for w in what_ifs:
             out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)

@@ -318,6 +318,10 @@ def test_run_records_the_drafts_of_a_speculating_engine(tmp_path):
     decode = pd.read_parquet(out).query("phase == 'decode'")
     assert (decode["spec_tokens"] > 0).any() and decode["spec_tokens"].max() <= 4
     assert (decode["num_tokens"] == decode["batch_size"] + decode["spec_tokens"]).all()
+    report = overshoot("report", run_dir, "--json")
+    groups = [g for g in json.loads(report.stdout)["groups"] if g["phase"] == "decode"]
+    assert groups and all(0 < g["spec_tokens_mean"] <= 4 for g in groups)
+    assert "drafts" in overshoot("report", run_dir).stdout  # the terminal table's drafts/step column
     bad = subprocess.run([sys.executable, "-m", "reference_engine", "serve", "--spec-tokens", "4", "--graph",
                           "step"], capture_output=True, text=True, timeout=60, env=cli_env())
     assert bad.returncode == 2 and "spec_tokens needs graph 'eager'" in bad.stderr.strip().splitlines()[-1]
