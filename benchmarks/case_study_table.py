@@ -8,7 +8,8 @@ configuration, for the decode steps at one request: median step, GPU idle waitin
 step), CPU busy share, CPU-bound steps, and the client's tokens/s per request. The configurations walk the
 case study's path on our engine: no graphs -> a graph per model forward (vLLM's default) -> one CUDA graph
 per whole step, each with the torch and the Triton decode kernels, all with async scheduling, plus the
-one-graph step without async scheduling. On a CPU (tiny preset) GPU idle is n/a: no CUDA events.
+one-graph step without async scheduling and eager steps with host-side speculative decoding. On a CPU (tiny
+preset) GPU idle is n/a: no CUDA events.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ CONFIGS = {  # name: (label, reference_engine serve flags)
     "step-triton": ("one graph per step, Triton", ["--graph", "step", "--kernels", "triton"]),
     "step-triton-sync": ("one graph per step, Triton, sync", ["--graph", "step", "--kernels", "triton",
                                                               "--no-async-scheduling"]),
+    # Speculative decoding as a general engine does it: host-side drafts and acceptance around eager steps.
+    "eager-triton-spec4": ("no graphs, Triton, 4 prompt-lookup drafts, sync",
+                           ["--graph", "eager", "--kernels", "triton", "--spec-tokens", "4",
+                            "--no-async-scheduling"]),
 }
 
 
@@ -62,8 +67,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     if not decode:
         return row | {"error": "no decode steps at one request in the report"}
     group = max(decode, key=lambda g: g["steps"])
-    return row | {key: group[key] for key in ("steps", "step_ms_median", "gpu_idle_pct", "cpu_share_pct",
-                                               "cpu_bound_pct", "gpu_ms_median")}
+    return row | {key: group.get(key) for key in ("steps", "step_ms_median", "gpu_idle_pct", "cpu_share_pct",
+                                                   "cpu_bound_pct", "gpu_ms_median", "spec_tokens_mean")}
 
 
 def fmt(value, spec: str, missing: str = "n/a") -> str:

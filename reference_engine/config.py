@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 SHAPE_FIELDS = (
@@ -109,6 +110,8 @@ class Config:
             self.device = "cuda" if has_cuda else "cpu"
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" else "torch"
+        if self.kernels == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels 'triton' on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
 
     def _validate(self) -> None:
         positive = (

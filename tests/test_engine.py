@@ -327,3 +327,11 @@ def test_spec_tokens_config_errors():
     ]:
         with pytest.raises(ValueError, match=message):
             Config(preset="tiny", device="cpu", **changes)
+
+
+def test_triton_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        Config(preset="tiny", device="cpu", kernels="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Config(preset="tiny", device="cpu", kernels="triton").kernels == "triton"
