@@ -22,6 +22,12 @@ def batch_facts(batch, *_args, **_kwargs) -> dict:
     }
 
 
+def accepted_facts(accepted, *_args, **_kwargs) -> dict:
+    """Drafts accepted by the verify step whose results `Engine.update_requests` consumed (speculative
+    decoding runs with sync scheduling, so that is this step's batch); nothing after other steps."""
+    return {} if accepted is None else {"accepted_tokens": accepted}
+
+
 def engine_stream(engine) -> object:
     return getattr(engine, "stream", None)  # None on CPU: no CUDA events
 
@@ -41,7 +47,7 @@ SPEC = EngineSpec(
         _target("launch", "busy"),
         _target("launch", "gpu"),
         _target("wait_for_results", "wait"),
-        _target("update_requests", "busy"),
+        _target("update_requests", "busy", facts=accepted_facts),
         _target("wait_for_work", "idle"),
     ),
     stream=engine_stream,

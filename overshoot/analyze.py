@@ -259,6 +259,9 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
             drafts = pd.to_numeric(df["spec_tokens"], errors="coerce").fillna(0).to_numpy(dtype="float64")
             if drafts.any():
                 out["spec_tokens_mean"] = total(drafts) / count
+                if "accepted_tokens" in df.columns:
+                    accepted = pd.to_numeric(df["accepted_tokens"], errors="coerce").fillna(0)
+                    out["accepted_tokens_mean"] = total(accepted.to_numpy(dtype="float64")) / count
         model = total(df["model_ms"].to_numpy())
         for w in what_ifs:
             out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)

@@ -202,6 +202,7 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
     drafts = any(g.get("spec_tokens_mean") for g in report["groups"])  # only for speculating engines
     if drafts:
         table.add_column("drafts\n/step", justify="right", no_wrap=True)
+        table.add_column("taken\n/step", justify="right", no_wrap=True)
     for label in what_ifs:
         table.add_column(f"step if\n{label}", justify="right", no_wrap=True)
     for g in report["groups"]:
@@ -220,7 +221,7 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
             _pct(g["cpu_share_pct"]),
         ]
         if drafts:
-            cells.append(fmt_num(g.get("spec_tokens_mean"), ".1f"))
+            cells += [fmt_num(g.get(key), ".1f") for key in ("spec_tokens_mean", "accepted_tokens_mean")]
         cells += [
             fmt_num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
             for label in what_ifs

@@ -307,8 +307,10 @@ class Engine:
             inflight.ready.synchronize()
         return inflight.host_tokens.tolist()
 
-    def update_requests(self, inflight: InFlight, tokens: list[int]) -> None:
-        """Append each sequence's new tokens, stop finished ones (EOS, max_tokens, max_model_len)."""
+    def update_requests(self, inflight: InFlight, tokens: list[int]) -> int | None:
+        """Append each sequence's new tokens, stop finished ones (EOS, max_tokens, max_model_len). Returns the
+        drafts accepted in a verify step (None after other steps), for the hooks' accepted_tokens fact."""
+        accepted = None
         if inflight.rows is None:
             per_seq = [[token] for token in tokens]
         else:
@@ -339,6 +341,7 @@ class Engine:
                 self._finish(seq, reason, new_tokens=emitted)
             else:
                 self._emit(seq, emitted, False, None)
+        return accepted
 
     # --- helpers
     def _handle(self, item: tuple) -> None:

@@ -321,6 +321,10 @@ def test_run_records_the_drafts_of_a_speculating_engine(tmp_path):
     report = overshoot("report", run_dir, "--json")
     groups = [g for g in json.loads(report.stdout)["groups"] if g["phase"] == "decode"]
     assert groups and all(0 < g["spec_tokens_mean"] <= 4 for g in groups)
+    assert all(0 <= g["accepted_tokens_mean"] <= g["spec_tokens_mean"] for g in groups)
+    steps = pd.read_parquet(out)
+    decode = steps.query("phase == 'decode'")
+    assert (decode["accepted_tokens"] <= decode["spec_tokens"]).all()
     assert "drafts" in overshoot("report", run_dir).stdout  # the terminal table's drafts/step column
     bad = subprocess.run([sys.executable, "-m", "reference_engine", "serve", "--spec-tokens", "4", "--graph",
                           "step"], capture_output=True, text=True, timeout=60, env=cli_env())
