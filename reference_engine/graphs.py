@@ -51,7 +51,7 @@ logger = logging.getLogger("reference_engine")
 
 META_SLOT, META_POSITION, META_TOP_K, META_SEED, META_TEMPERATURE, META_TOP_P = range(6)
 META_BLOCKS = 6
-# Host arrays of a verify step (Engine._verify_arrays), one row per sequence token checked.
+# Host arrays of a verify step (speculative.verify_rows), one row per sequence token checked.
 VERIFY_ARRAYS = ("ids", "positions", "slot_mapping", "block_tables", "seq_lens", "temperature", "top_p",
                  "top_k", "seeds")
 

@@ -129,14 +129,16 @@ class Scheduler:
             if seq.status != "running":
                 continue
             self.blocks.allocate(seq.block_table, needed)
-            # Drafts write k/v after it: they take the room left in the table and the free blocks, and never
-            # preempt anyone.
-            room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - needed
-            seq.draft = self._draft(seq)[: max(room, 0)]
-            self.blocks.allocate(seq.block_table, needed + len(seq.draft))
             scheduled.append(seq)
         if not scheduled:
             return None
+        for seq in scheduled:
+            # Drafts write k/v after the step's token, once every scheduled sequence has its block: they take
+            # the room left in the table and the free blocks, and never cause a preemption.
+            needed = seq.num_cached + 1
+            room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - needed
+            seq.draft = self._draft(seq)[: max(room, 0)]
+            self.blocks.allocate(seq.block_table, needed + len(seq.draft))
         drafts = sum(len(seq.draft) for seq in scheduled)
         return ScheduledBatch(scheduled, "decode", len(scheduled) + drafts, spec_tokens=drafts)
 
