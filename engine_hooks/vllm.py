@@ -6,7 +6,9 @@ What each hook measures (docs/vllm.md lists which targets are verified on which 
   scheduling, pipeline parallel). `EngineCore.__init__` binds one of them to `self.step_fn`, so they must be
   patched before the engine core is built: the general plugin (engine_hooks/vllm_plugin.py) and the
   sitecustomize bootstrap both run before that.
-- busy: `Scheduler.schedule` (its SchedulerOutput gives the step's facts) and `Scheduler.update_from_output`.
+- busy: `Scheduler.schedule` (its SchedulerOutput gives the step's facts) and `Scheduler.update_from_output`
+  (with speculative decoding, the drafts its model output accepted: the step fact accepted_tokens, counted as
+  vLLM's own spec-decoding stats do; under async scheduling that output is the previous step's).
 - wait: the engine thread blocked on the model's output: `FutureWrapper.result` (multiprocess executor: the
   worker's reply), `AsyncOutputFuture.result` (in-process executor), and the GPU runners' device-to-host
   synchronizations (`get_output` of the async outputs, `GPUModelRunner._to_list`).
@@ -68,6 +70,26 @@ def scheduler_output_facts(output, *_args, **_kwargs) -> dict:
     }
 
 
+def accepted_facts(_result, scheduler, scheduler_output=None, model_runner_output=None, *_args,
+                   **kwargs) -> dict:
+    """Drafts accepted, from the arguments of `Scheduler.update_from_output(scheduler_output, model_output)`:
+    per request with drafts, the tokens sampled beyond the one a step always samples (vLLM's num_accepted)."""
+    scheduler_output = scheduler_output or kwargs.get("scheduler_output")
+    model_runner_output = model_runner_output or kwargs.get("model_runner_output")
+    spec = scheduler_output.scheduled_spec_decode_tokens if scheduler_output is not None else None
+    if not spec or model_runner_output is None:
+        return {}
+    sampled = model_runner_output.sampled_token_ids or []
+    index = model_runner_output.req_id_to_index
+    per_step = getattr(scheduler, "num_sampled_tokens_per_step", 1)
+    accepted = 0
+    for req_id, drafts in spec.items():
+        i = index.get(req_id)
+        if drafts and i is not None and i < len(sampled):
+            accepted += max(len(sampled[i]) - per_step, 0)
+    return {"accepted_tokens": accepted}
+
+
 def runner_stream(runner) -> object:
     """The CUDA stream a GPU model runner launches on (None for CPU runners or without CUDA)."""
     device = getattr(runner, "device", None)
@@ -86,7 +108,8 @@ SPEC = EngineSpec(
         HookTarget(CORE, "EngineCore.step", "step"),
         HookTarget(CORE, "EngineCore.step_with_batch_queue", "step"),
         HookTarget(SCHEDULER, "Scheduler.schedule", "busy", "schedule", facts=scheduler_output_facts),
-        HookTarget(SCHEDULER, "Scheduler.update_from_output", "busy", "update_from_output"),
+        HookTarget(SCHEDULER, "Scheduler.update_from_output", "busy", "update_from_output",
+                   facts=accepted_facts),
         HookTarget(MULTIPROC, "FutureWrapper.result", "wait", "worker_result"),
         HookTarget(UNIPROC, "AsyncOutputFuture.result", "wait", "async_output"),
         HookTarget(RUNNER_V1, "AsyncGPUModelRunnerOutput.get_output", "wait", "get_output"),

@@ -367,3 +367,21 @@ def test_deferred_spec_stays_silent_until_its_engine_loads(toy, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "toy hooks disabled: unknown version" in err[0]
     assert not getattr(module.Engine.step, "__overshoot_hooked__", False)
+
+
+def test_vllm_accepted_drafts_fact_counts_tokens_sampled_beyond_one():
+    """The vLLM spec's accepted_tokens: per request with drafts, sampled tokens beyond the one a step always
+    samples (requests without drafts and requests missing from the output count nothing)."""
+    from types import SimpleNamespace
+
+    from engine_hooks.vllm import accepted_facts
+
+    scheduler = SimpleNamespace(num_sampled_tokens_per_step=1)
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": [9], "gone": [1, 2]})
+    output = SimpleNamespace(sampled_token_ids=[[5, 6, 2], [4], [8]],
+                             req_id_to_index={"a": 0, "b": 1, "c": 2})
+    assert accepted_facts(None, scheduler, scheduled, output) == {"accepted_tokens": 2}
+    assert accepted_facts(None, scheduler, scheduler_output=scheduled, model_runner_output=output) == {
+        "accepted_tokens": 2}
+    no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
+    assert accepted_facts(None, scheduler, no_drafts, output) == {}
