@@ -174,10 +174,17 @@ def test_interrupt_mid_load_stops_server_and_keeps_the_run(tmp_path, sig, code):
     )
     try:
         deadline = time.monotonic() + 120
-        while not list((run_dir / "spool").glob("*.steps.*.arrow")):  # the load is running and steps flushed
+        url = None
+        for line in proc.stdout:  # "server ready after 1.2 s on http://127.0.0.1:PORT"
+            if "server ready after" in line:
+                url = line.split(" on ")[-1].strip()
+                break
+        assert url, proc.communicate()
+        # Interrupt once the level has completed requests (the engine's counter, not a fixed sleep: a loaded
+        # machine may need seconds for the first one) and steps have been flushed.
+        while _tokens_generated(url) < 200 or not list((run_dir / "spool").glob("*.steps.*.arrow")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
-        time.sleep(2.0)  # short requests: some finish, most are still to come
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -195,6 +202,13 @@ def test_interrupt_mid_load_stops_server_and_keeps_the_run(tmp_path, sig, code):
     report = overshoot("report", run_dir)
     assert report.returncode == 0, report.stderr
     assert "decode" in report.stdout
+
+
+def _tokens_generated(url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats", timeout=5) as resp:
+        return json.load(resp)["engine"]["tokens_generated"]
 
 
 def test_bad_command_fails_clearly_and_leaves_a_readable_run_dir(tmp_path):
