@@ -228,15 +228,42 @@ async def _load_watching_server(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         load = asyncio.ensure_future(run_sweep(plan, results, progress=progress, on_level_done=save))
-        while not load.done():
-            await asyncio.wait({load}, timeout=0.25)
-            exit_code = server.exited()
-            if exit_code is not None and not load.done():
-                load.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await load
-                raise LaunchError(f"the server exited with code {exit_code} during the load")
+        with _sigterm_cancels(load) as terminated:
+            while not load.done():
+                await asyncio.wait({load}, timeout=0.25)
+                exit_code = server.exited()
+                if exit_code is not None and not load.done():
+                    load.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await load
+                    raise LaunchError(f"the server exited with code {exit_code} during the load")
+            if terminated:
+                raise Terminated()
         load.result()
+
+
+@contextlib.contextmanager
+def _sigterm_cancels(load: asyncio.Future):
+    """While the load runs, SIGTERM cancels it through the event loop instead of raising wherever the main
+    thread happens to be: raised inside one of aiohttp's tasks, Terminated surfaced as "Task exception was
+    never retrieved" with a traceback. Yields a list that holds True once SIGTERM came."""
+    loop = asyncio.get_running_loop()
+    terminated: list[bool] = []
+
+    def on_sigterm() -> None:
+        terminated.append(True)
+        load.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (NotImplementedError, RuntimeError, ValueError):  # no loop signal handlers here: keep _terminated
+        yield terminated
+        return
+    try:
+        yield terminated
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _terminated)  # removal left the default action: restore ours
 
 
 def _stop_quietly(server: Server, grace: float) -> int | None:
