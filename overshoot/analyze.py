@@ -149,6 +149,8 @@ class Summary:
 
 # Async alignment check: CPU-bound share vs share of steps with GPU idle before them, in percentage points.
 AGREEMENT_TOLERANCE_PCT = 10.0
+# Mostly CPU-bound steps with less GPU idle between steps than this: the GPU waits on launches inside them.
+LAUNCH_GAP_IDLE_PCT = 10.0
 _MIN_STEPS_FOR_CHECK = 20
 
 
@@ -319,6 +321,16 @@ def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, 
                     "between a launch and the following wait, or waits on something other than the GPU, "
                     "make them differ"
                 )
+    for row in groups.to_dict("records"):
+        if row["steps"] < _MIN_STEPS_FOR_CHECK or pd.isna(row["gpu_idle_pct"]):
+            continue
+        if row["cpu_bound_pct"] >= 50 and row["gpu_idle_pct"] < LAUNCH_GAP_IDLE_PCT:
+            notes.append(
+                f"{group_title(row, keys)}: {row['cpu_bound_pct']:.0f}% of steps CPU-bound while the GPU "
+                f"idles only {row['gpu_idle_pct']:.1f}% of the time between steps: CPU and GPU take about "
+                "as long, or the GPU waits on launches inside the steps (gaps within a step's GPU interval "
+                "do not count as GPU idle); either way a faster GPU step would not shorten these steps"
+            )
     if proj.model == "replay":
         notes.append(
             f"what-if: replay of the recorded CPU/GPU dependencies (reproduces the recorded step "

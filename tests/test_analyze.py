@@ -142,6 +142,22 @@ def test_disagreeing_views_are_reported(tmp_path):
     assert any("disagree" in note for note in summary.notes)
 
 
+def test_cpu_bound_steps_with_little_gpu_idle_between_them_get_a_note(tmp_path):
+    """An eager engine that is launch-bound: its GPU interval spans each step (kernels trickle in as the CPU
+    launches them), so the GPU barely idles between steps although no step waits. The note says where the
+    waiting is; a GPU-bound timeline gets no such note."""
+    frames = simulate_timeline(100, mode="sync", cpu_ms=1.0, gpu_ms=0.001)
+    steps, gpu = frames.steps, frames.gpu
+    gpu["gpu_start_ns"] = steps["start_ns"] + 20_000  # first kernel soon after the step starts
+    gpu["gpu_end_ns"] = steps["end_ns"] - 50_000  # the last one ends while the thread updates requests
+    summary = summarize(load_run(write_run(tmp_path / "eager", frames)))
+    group = summary.groups.iloc[0]
+    assert group["cpu_bound_pct"] == 100 and group["gpu_idle_pct"] < 10
+    assert any("waits on launches inside the steps" in note for note in summary.notes)
+    bound = summarize(load_run(write_run(tmp_path / "gpu", simulate_timeline(100, cpu_ms=0.2, gpu_ms=1.0))))
+    assert not any("inside the steps" in note for note in bound.notes)
+
+
 def test_steps_without_gpu_have_null_gpu_columns(tmp_path):
     frames = simulate_timeline(20, mode="sync")
     frames.gpu = frames.gpu.iloc[:0]
