@@ -50,19 +50,17 @@ def apply_gemm_tiles(path: Path) -> None:
         silu = row["shape"].startswith("gate_up")
         n = row["n"] // 2 if silu else row["n"]
         table[(n, row["k"], row["rows"], silu)] = skinny_gemm.GemmConfig(**(row["pdl_best"] or row["best"]))
-    chosen = skinny_gemm.choose_config
-
-    def patched(n: int, k: int, rows: int, *, silu: bool = False):
-        return table.get((n, k, rows, silu)) or chosen(n, k, rows, silu=silu)
-
-    skinny_gemm.choose_config = patched
+    rewrite_gemm_configs(lambda cfg, n, k, rows, silu: table.get((n, k, rows, silu)) or cfg)
 
 
 def apply_gemm_variant(name: str) -> None:
     """Benchmark-only: rewrite the engine's decode GEMM tiles, to compare designs in whole steps."""
-    rewrite = GEMM_VARIANTS[name]
-    if rewrite is None:
-        return
+    if GEMM_VARIANTS[name] is not None:
+        rewrite_gemm_configs(GEMM_VARIANTS[name])
+
+
+def rewrite_gemm_configs(rewrite) -> None:
+    """Patch skinny_gemm.choose_config: rewrite(cfg, n, k, rows, silu) -> cfg on top of its choice."""
     from reference_engine.kernels import skinny_gemm
 
     chosen = skinny_gemm.choose_config

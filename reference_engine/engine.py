@@ -225,8 +225,12 @@ class Engine:
         return batch
 
     def prepare_inputs(self, batch: ScheduledBatch) -> dict:
-        """Fill a pinned host slot with the step's metadata rows (CPU work only; copies happen in launch)."""
+        """Fill a pinned host slot with the step's metadata rows (CPU work only; copies happen in launch).
+        Verify steps (speculative decoding) build their own per-token rows instead."""
         slot = self.buffers.next_slot()
+        greedy_only = all(s.params.greedy for s in batch.seqs)
+        if batch.phase == "decode" and self.config.spec_tokens:
+            return {"slot": slot, "greedy_only": greedy_only, **verify_rows(batch, self.config)}
         rows = self.buffers.host_meta_np[slot]
         padded = self.runner.padded_size(batch.num_seqs, batch.phase)
         for i, seq in enumerate(batch.seqs):
@@ -244,11 +248,9 @@ class Engine:
             row[META_BLOCKS + len(table) :] = 0
         rows[batch.num_seqs : padded] = 0
         rows[batch.num_seqs : padded, 0] = self.buffers.padding_slot
-        inputs = {"slot": slot, "padded": padded, "greedy_only": all(s.params.greedy for s in batch.seqs)}
+        inputs = {"slot": slot, "padded": padded, "greedy_only": greedy_only}
         if batch.phase == "prefill":
             inputs.update(self._prefill_arrays(batch))
-        elif self.config.spec_tokens:
-            inputs.update(verify_rows(batch, self.config))
         return inputs
 
     def _prefill_arrays(self, batch: ScheduledBatch) -> dict:
@@ -336,7 +338,7 @@ class Engine:
                     break
             if inflight.rows is not None:
                 # The k/v of the last token and the accepted drafts are valid; the newest token has none yet.
-                seq.num_cached = len(seq.known_ids) - 1
+                seq.num_cached = len(seq.prompt_ids) + len(seq.output_ids) - 1
             if reason is not None:
                 self._finish(seq, reason, new_tokens=emitted)
             else:

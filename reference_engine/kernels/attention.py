@@ -201,9 +201,9 @@ def _decode_split_kernel(
             lo = split // MERGE_GROUP * MERGE_GROUP
             run = (seq * num_kv_heads + kv_head) * NUM_GROUPS + split // MERGE_GROUP
             run_ticket = group_tickets_ptr + run
-            if last_to_arrive(run_ticket, tl.minimum(active - lo, MERGE_GROUP)):
-                m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo,
-                                                      tl.minimum(active - lo, MERGE_GROUP), 1,
+            run_size = tl.minimum(active - lo, MERGE_GROUP)
+            if last_to_arrive(run_ticket, run_size):
+                m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo, run_size, 1,
                                                       NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, 2)
                 store_partial(part_acc_ptr, part_ml_ptr, first_row, lo, m_run, l_run, acc_run,
                               NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D)

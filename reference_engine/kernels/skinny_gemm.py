@@ -49,8 +49,9 @@ class GemmConfig:
 def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfig:
     """Tiles per shape, from the H200 sweep (benchmarks/skinny_gemm_sweep.py, qwen3-4b, docs/benchmarks.md).
 
-    One row: FMA tiles with a pipelined K loop stream best, gate_up + SiLU included (us with PDL: qkv 10.3,
-    o_proj 7.7, gate_up 26.9, down 14.5; cuBLAS GEMMs alone 11.6 / 9.5 / 30.5 / 17.6). More rows: the
+    One row: FMA tiles with a pipelined K loop stream best, gate_up + SiLU included (us without / with PDL:
+    qkv 10.3 / 11.4, o_proj 7.6 / 8.6, gate_up 27.6 / 26.9, down 14.4 / 14.5; cuBLAS GEMMs alone 11.6 / 9.5 /
+    30.5 / 17.6; whole steps with these tiles and PDL: 2.73 -> 2.62 ms). More rows: the
     swap-AB MMA tile; narrow-N products (o_proj, down) split K in two so 80 column blocks still fill 132
     SMs. PDL helped the narrow MMA products by ~0.5-1 us and slowed the wide SiLU one (28.5 -> 32.3 us, its
     big shared-memory tiles block the early-launched next kernel), so there it is on only where it helped.
