@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -38,7 +39,15 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "o-narrow": lambda cfg, n, k, rows, silu: (
         dataclasses.replace(cfg, block_n=4, block_k=512) if cfg.fma and 4096 <= k < 8192 else cfg
     ),
+    # qkv and o_proj at one row without PDL (their chained single-op sweep favoured it; whole steps decide)
+    "qkv-o-no-pdl": lambda cfg, n, k, rows, silu: (
+        dataclasses.replace(cfg, pdl=False) if cfg.fma and not silu and k < 8192 else cfg
+    ),
+    # the one-row layer tail (fused_mlp.py): o_proj, then the MLP in one launch; or all three separate
+    "mlp-launch": None,
+    "three-launches": None,
 }
+_LAYER_TAIL = {"mlp-launch": "mlp", "three-launches": "off"}
 
 
 def apply_gemm_tiles(path: Path) -> None:
@@ -54,9 +63,23 @@ def apply_gemm_tiles(path: Path) -> None:
 
 
 def apply_gemm_variant(name: str) -> None:
-    """Benchmark-only: rewrite the engine's decode GEMM tiles, to compare designs in whole steps."""
+    """Benchmark-only: rewrite the engine's decode GEMM tiles (or MLP launch), to compare designs in whole
+    steps. Undone by the next call (variants run one after another in one process)."""
+    from reference_engine.kernels import decode_linear, skinny_gemm
+
+    skinny_gemm.choose_config = _CHOOSE_CONFIG[0]
+    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp")
     if GEMM_VARIANTS[name] is not None:
         rewrite_gemm_configs(GEMM_VARIANTS[name])
+
+
+def _original_choose_config():
+    from reference_engine.kernels import skinny_gemm
+
+    return [skinny_gemm.choose_config]
+
+
+_CHOOSE_CONFIG = _original_choose_config()
 
 
 def rewrite_gemm_configs(rewrite) -> None:
@@ -206,6 +229,7 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5,
 
 LAYER_KERNELS = ("qkv + input norm", "attention (+ q/k norm, RoPE, cache)", "o_proj + residual",
                  "gate_up + post norm + SiLU", "down + residual")
+FUSED_MLP_LAYER_KERNELS = LAYER_KERNELS[:2] + ("o_proj + MLP (one launch)",)
 
 
 def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]:
@@ -224,14 +248,16 @@ def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]
         added.append((e["name"], max(end - last_end, 0.0)))
         last_end = max(last_end, end)
     attention = [i for i, (name, _) in enumerate(added) if "decode_split" in name]
-    if len(attention) < 2 or attention[1] - attention[0] != len(LAYER_KERNELS):
+    labels = {len(names): names for names in (LAYER_KERNELS, FUSED_MLP_LAYER_KERNELS)}
+    if len(attention) < 2 or attention[1] - attention[0] not in labels:
         return {}
+    names = labels[attention[1] - attention[0]]
     first, layers = attention[0] - 1, len(attention)
     out = {}
-    for offset, label in enumerate(LAYER_KERNELS):
-        values = sorted(added[first + layer * len(LAYER_KERNELS) + offset][1] for layer in range(layers))
+    for offset, label in enumerate(names):
+        values = sorted(added[first + layer * len(names) + offset][1] for layer in range(layers))
         out[label] = (values[len(values) // 2], sum(values))
-    inside = range(first, first + layers * len(LAYER_KERNELS))
+    inside = range(first, first + layers * len(names))
     rest = sum(us for i, (_, us) in enumerate(added) if i not in inside)
     out["outside layers (LM head, sampler, inputs)"] = (rest, rest)
     return out
@@ -364,11 +390,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel table of the batch-1 step graph")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--gemm-variant", choices=sorted(GEMM_VARIANTS), default="default",
-                        help="decode GEMM tile experiment (Triton kernels)")
+    parser.add_argument("--gemm-variant", default="default",
+                        help=f"decode GEMM experiments, comma-separated, each benchmarked in turn (Triton "
+                             f"kernels): {', '.join(sorted(GEMM_VARIANTS))}")
     parser.add_argument("--gemm-tiles", type=Path, help="tiles from a skinny_gemm_sweep.py --json run")
     args = parser.parse_args()
-    apply_gemm_variant(args.gemm_variant)
+    variants = args.gemm_variant.split(",")
+    unknown = [v for v in variants if v not in GEMM_VARIANTS]
+    if unknown:
+        choices = ", ".join(sorted(GEMM_VARIANTS))
+        parser.error(f"unknown --gemm-variant {', '.join(unknown)}: choose from {choices}")
+    apply_gemm_variant(variants[0])
     if args.gemm_tiles:
         apply_gemm_tiles(args.gemm_tiles)
 
@@ -404,19 +436,18 @@ def main() -> None:
                                      trace=Path(args.out) / "step_trace.json")
     rows = []
     if not args.no_bench:
-        for kernels in args.kernels.split(","):
-            for mode in args.modes.split(","):
-                graph, _, overlap = mode.partition("-")
-                engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap))
-                for batch in map(int, args.batches.split(",")):
-                    r = time_decode(engine, batch, args.steps, args.prompt_len)
-                    rows.append(dict(kernels=kernels, graph=mode, batch=batch, **r))
-                    print(
-                        f"{kernels:6s} {mode:5s} b={batch}: {r['step_ms']:.3f} ms/step "
-                        f"(gpu {r['gpu_ms']:.3f})"
-                    )
-                del engine
-                torch.cuda.empty_cache() if cuda else None
+        for variant, kernels, mode in itertools.product(variants, args.kernels.split(","),
+                                                        args.modes.split(",")):
+            apply_gemm_variant(variant)
+            graph, _, overlap = mode.partition("-")
+            label = mode if variant == "default" else f"{mode}/{variant}"
+            engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap))
+            for batch in map(int, args.batches.split(",")):
+                r = time_decode(engine, batch, args.steps, args.prompt_len)
+                rows.append(dict(kernels=kernels, graph=label, batch=batch, **r))
+                print(f"{kernels:6s} {label} b={batch}: {r['step_ms']:.3f} ms/step (gpu {r['gpu_ms']:.3f})")
+            del engine
+            torch.cuda.empty_cache() if cuda else None
     out["rows"] = rows
     if cuda and not args.no_hf:
         del model
@@ -437,13 +468,13 @@ def print_table(out: dict) -> None:
         f"{out.get('hf_graph_error', '')}"
     )
     print(
-        f"{'kernels':7s} {'graph':10s} {'batch':>5s} {'ms/step':>8s} {'gpu ms':>7s} "
+        f"{'kernels':7s} {'graph':26s} {'batch':>5s} {'ms/step':>8s} {'gpu ms':>7s} "
         f"{'x floor':>7s} {'HF/this':>7s}"
     )
     for r in out["rows"]:
         speedup = hf / r["step_ms"] if hf else float("nan")
         print(
-            f"{r['kernels']:7s} {r['graph']:10s} {r['batch']:5d} {r['step_ms']:8.3f} {r['gpu_ms']:7.3f} "
+            f"{r['kernels']:7s} {r['graph']:26s} {r['batch']:5d} {r['step_ms']:8.3f} {r['gpu_ms']:7.3f} "
             f"{r['step_ms'] / floor:7.2f} {speedup:7.2f}"
         )
 

@@ -136,7 +136,7 @@ class Qwen3Model:
         tokens concatenated). `compute_logits` applies the final norm, so callers can pick rows first.
 
         Each norm is folded into the projection that reads it and each residual add into the projection that
-        writes it (kernels' norm_linear / norm_gate_up_silu / linear_residual): a decode layer is the four
+        writes it (kernels' norm_linear / o_proj_mlp): a decode layer is the four
         weight reads plus the attention kernels.
         """
         cfg, ops = self.config, self.ops
@@ -145,9 +145,7 @@ class Qwen3Model:
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[index]
             attn = self._attention(layer, x, positions, k_cache, v_cache, meta)
-            x = ops.linear_residual(attn, layer.o_proj, x)
-            act = ops.norm_gate_up_silu(x, layer.post_norm, layer.gate_up, eps)
-            x = ops.linear_residual(act, layer.down, x)
+            x = ops.o_proj_mlp(attn, layer.o_proj, x, layer.post_norm, layer.gate_up, layer.down, eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -276,6 +276,39 @@ def test_single_row_fma_path(dtype, gen):
                  REF.linear_residual(x, w[:n], residual), dtype, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, inter", [(128, 256), (64, 96)])  # 96: chunks of 32 intermediates
+def test_layer_tail_in_one_launch(dtype, hidden, inter, gen):
+    """fused_mlp: o_proj + residual, gate_up + SiLU and down + residual in one launch (and the MLP alone)
+    give the separate launches' bits (same sums in the same order), match torch, and leave the chunk flags
+    and dispatch counter at zero for the next launch (graph replays reuse them)."""
+    from reference_engine.kernels import decode_linear, fused_mlp, skinny_gemm, split_merge
+
+    attn_dim = 96
+    attn = randn(1, attn_dim, dtype=dtype, gen=gen)
+    w_o = randn(hidden, attn_dim, dtype=dtype, gen=gen) * attn_dim**-0.5
+    x = randn(1, hidden, dtype=dtype, gen=gen)
+    norm_w = randn(hidden, dtype=dtype, gen=gen)
+    w_gate_up = randn(2 * inter, hidden, dtype=dtype, gen=gen) * hidden**-0.5
+    w_down = randn(hidden, inter, dtype=dtype, gen=gen) * inter**-0.5
+    args = (norm_w, w_gate_up, w_down, 1e-6)
+    assert fused_mlp.supports(x, w_gate_up, w_down, w_o)
+    h = skinny_gemm.linear_residual(attn, w_o, x)
+    act = skinny_gemm.norm_gate_up_silu(h, norm_w, w_gate_up, 1e-6)
+    separate = skinny_gemm.linear_residual(act, w_down, h)
+    for _ in range(2):  # the second launch finds the counters the first one reset
+        assert torch.equal(fused_mlp.o_proj_mlp(attn, w_o, x, *args), separate)
+        assert torch.equal(fused_mlp.mlp_residual(h, *args), separate)
+        assert not split_merge.counters_for(x.device, "layer tail", 0).any()
+    tol = 6e-2 if dtype == torch.bfloat16 else 1e-4
+    assert_close(separate, REF.o_proj_mlp(attn, w_o, x, *args), dtype, atol=tol)
+    # More rows than one take the separate launches; the op is the same function either way.
+    attn3, x3 = randn(3, attn_dim, dtype=dtype, gen=gen), randn(3, hidden, dtype=dtype, gen=gen)
+    assert not fused_mlp.supports(x3, w_gate_up, w_down, w_o)
+    assert_close(decode_linear.o_proj_mlp(attn3, w_o, x3, *args), REF.o_proj_mlp(attn3, w_o, x3, *args),
+                 dtype, atol=tol)
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_linear_residual_sums_every_slice(split_k, gen):
     """Split-K partials are all summed (a missing slice would be off by ~1/split of the product)."""

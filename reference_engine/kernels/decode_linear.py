@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reference_engine.kernels import elementwise, skinny_gemm
+from reference_engine.kernels import elementwise, fused_mlp, skinny_gemm
+
+# How a one-row layer tail runs (fused_mlp.py): "o+mlp" one launch, "mlp" o_proj then the MLP in one
+# launch, "off" three launches. Benchmarks switch it to compare the seams in whole steps.
+FUSED_MLP = {"mode": "o+mlp"}
 
 
 def norm_linear(
@@ -35,3 +39,16 @@ def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) ->
     if skinny_gemm.supports(x, w):
         return skinny_gemm.linear_residual(x, w, residual)
     return F.linear(x, w) + residual
+
+
+def o_proj_mlp(
+    attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    mode = FUSED_MLP["mode"]
+    if mode == "o+mlp" and attn.is_contiguous() and fused_mlp.supports(x, w_gate_up, w_down, w_o):
+        return fused_mlp.o_proj_mlp(attn, w_o, x, norm_w, w_gate_up, w_down, eps)
+    h = linear_residual(attn, w_o, x)
+    if mode != "off" and fused_mlp.supports(h, w_gate_up, w_down):
+        return fused_mlp.mlp_residual(h, norm_w, w_gate_up, w_down, eps)
+    return linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h)

@@ -53,6 +53,15 @@ def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) ->
     return F.linear(x, w) + residual
 
 
+def o_proj_mlp(
+    attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    """A layer after its attention: h = x + attn @ w_o.T, then h + down(norm_gate_up_silu(h))."""
+    h = linear_residual(attn, w_o, x)
+    return linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

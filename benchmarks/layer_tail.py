@@ -1,0 +1,176 @@
+"""The layer tail (o_proj + residual, RMSNorm, gate_up + SiLU, down + residual) at one row, three ways.
+
+    python benchmarks/layer_tail.py [--sweep]
+
+`o+mlp`: one launch (fused_mlp.o_proj_mlp); `mlp`: o_proj, then the MLP in one launch; `off`: three
+skinny_gemm launches. Each runs 36 layers' distinct qwen3-4b weights chained (so weights come from HBM, as
+in a step) under CUDA-graph replay, with PDL as in the engine. First it checks that the fused launches give
+the separate launches' bits, also across graph replays (the counters reset). `--sweep` also times tile
+choices of the one-launch tail. Prints us per layer and the HBM floor for those weights. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reference_engine.kernels import fused_mlp, skinny_gemm  # noqa: E402
+from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
+from reference_engine.kernels.pdl import launch_options, pdl_prologue  # noqa: E402
+
+HIDDEN, INTER, ATTN, LAYERS = 2560, 9728, 4096, 36
+DEFAULT = MlpTiles()
+SWEEP = [  # tile experiments on top of MlpTiles() (H200 2026-12-01, us a layer tail, in docs/benchmarks.md)
+    dict(gu_n=8, gu_stages=4), dict(gu_n=8, gu_stages=4, d_n=4, d_stages=3), dict(gu_stages=4),
+    dict(gu_n=32, gu_k=128), dict(d_n=16), dict(o_n=8, o_k=512), dict(o_stages=4),
+    dict(num_warps=8, d_n=16, o_n=8),
+]
+
+
+@triton.jit
+def _read(src, out, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in tl.range(0, STEPS, num_stages=4):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_rows(w, out, K, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.constexpr,
+               USE_PDL: tl.constexpr):
+    """The access pattern of a one-row projection tile (ROWS rows, COLS-wide K steps) without its math."""
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ptrs = w + rows.to(tl.int64)[:, None] * K + tl.arange(0, COLS)[None, :]
+    acc = tl.zeros((ROWS, COLS), tl.float32)
+    for k in tl.range(0, K, COLS, num_stages=STAGES):
+        acc += tl.load(ptrs + k).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def read_patterns(w_o: list[torch.Tensor], w_gu: list[torch.Tensor], w_d: list[torch.Tensor]) -> list:
+    """us per layer to read a layer tail's weights with each projection's tile pattern and nothing else,
+    three launches a layer with PDL as in the engine (no data dependencies, no arithmetic to speak of)."""
+    import triton.testing
+
+    rows = []
+    for name, (o_tile, gu_tile, d_tile) in {
+        "read, engine tiles (o 4x1024/3, gate_up 8x256/4, down 4x512/3)": (
+            (4, 1024, 3), (8, 256, 4), (4, 512, 3)),
+        "read, wide tiles (16x512/4 each)": ((16, 512, 4),) * 3,
+        "read, one-row tiles x2 stages": ((4, 1024, 6), (8, 256, 8), (4, 512, 6)),
+    }.items():
+        jobs = []
+        for layer in range(LAYERS):
+            for w, (r, c, st) in ((w_o[layer], o_tile), (w_gu[layer], gu_tile), (w_d[layer], d_tile)):
+                jobs.append((w, torch.empty(w.shape[0] // r, device=w.device), r, c, st))
+
+        def run(jobs=jobs) -> None:
+            use_pdl, pdl = launch_options(jobs[0][0])
+            for w, o, r, c, st in jobs:
+                _read_rows[(o.numel(),)](w, o, w.shape[1], ROWS=r, COLS=c, STAGES=st, USE_PDL=use_pdl,
+                                         num_warps=4, **pdl)
+
+        rows.append((name, triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3 / LAYERS))
+    return rows
+
+
+def read_rate(tensors: list[torch.Tensor], *, per_tensor: bool) -> float:
+    """Seconds to stream `tensors` through a plain read-and-sum kernel: one launch per tensor (the seams of
+    separate kernels, nothing else) or one launch over all of them (contiguous, the best this GPU reads)."""
+    import triton.testing
+
+    block, steps = 2048, 8
+    flat = [t.view(-1) for t in tensors] if per_tensor else [torch.cat([t.view(-1) for t in tensors])]
+    outs = [torch.empty(triton.cdiv(t.numel(), block * steps), device=t.device) for t in flat]
+
+    def run() -> None:
+        for t, o in zip(flat, outs, strict=True):
+            _read[(o.numel(),)](t, o, t.numel(), BLOCK=block, STEPS=steps, num_warps=8)
+
+    return triton.testing.do_bench_cudagraph(run, return_mode="median") / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    import triton.testing
+
+    torch.manual_seed(0)
+    dtype, dev = torch.bfloat16, "cuda"
+
+    def weights(*shape: int) -> list[torch.Tensor]:
+        return [torch.randn(*shape, device=dev, dtype=dtype) * shape[1] ** -0.5 for _ in range(LAYERS)]
+
+    w_o, w_gu, w_d = weights(HIDDEN, ATTN), weights(2 * INTER, HIDDEN), weights(HIDDEN, INTER)
+    norm = (torch.rand(HIDDEN, device=dev) + 0.5).to(dtype)
+    attn = torch.randn(1, ATTN, device=dev, dtype=dtype)
+    x0 = torch.randn(1, HIDDEN, device=dev, dtype=dtype)
+
+    def chain(mode: str, tiles: MlpTiles = DEFAULT):
+        def run() -> torch.Tensor:
+            x = x0
+            for layer in range(LAYERS):
+                if mode == "o+mlp":
+                    x = fused_mlp.o_proj_mlp(attn, w_o[layer], x, norm, w_gu[layer], w_d[layer], 1e-6,
+                                             tiles=tiles)
+                    continue
+                x = skinny_gemm.linear_residual(attn, w_o[layer], x)
+                if mode == "mlp":
+                    x = fused_mlp.mlp_residual(x, norm, w_gu[layer], w_d[layer], 1e-6, tiles=tiles)
+                else:
+                    act = skinny_gemm.norm_gate_up_silu(x, norm, w_gu[layer], 1e-6)
+                    x = skinny_gemm.linear_residual(act, w_d[layer], x)
+            return x
+        return run
+
+    separate = chain("off")()
+    for mode in ("o+mlp", "mlp"):
+        eager = chain(mode)()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                replayed = chain(mode)()
+            for _ in range(10):
+                graph.replay()
+        torch.cuda.synchronize()
+        print(f"{mode}: bits equal to three launches: eager {torch.equal(eager, separate)}, "
+              f"after 10 graph replays {torch.equal(replayed, separate)}")
+        del graph
+
+    floor = (w_o[0].numel() + w_gu[0].numel() + w_d[0].numel()) * 2 / 4.28e12 * 1e6
+
+    def us(run) -> float:
+        return triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3 / LAYERS
+
+    rows = [(mode, us(chain(mode))) for mode in ("off", "mlp", "o+mlp")]
+    if args.sweep:
+        for change in SWEEP:
+            tiles = dataclasses.replace(MlpTiles(), **change)
+            rows.append((f"o+mlp {change}", us(chain("o+mlp", tiles))))
+    tail_weights = [w for layer in range(LAYERS) for w in (w_o[layer], w_gu[layer], w_d[layer])]
+    nbytes = sum(w.numel() * 2 for w in tail_weights)
+    for per_tensor, name in ((True, "read only, a launch per weight"), (False, "read only, one launch")):
+        seconds = read_rate(tail_weights, per_tensor=per_tensor)
+        rows.append((f"{name} ({nbytes / seconds / 1e12:.2f} TB/s)", seconds * 1e6 / LAYERS))
+    rows += read_patterns(w_o, w_gu, w_d)
+    print(f"\nus per layer tail (36 layers chained, graph replays; floor {floor:.2f} us at 4.28 TB/s):")
+    for name, value in rows:
+        print(f"  {name:48s} {value:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
