@@ -43,11 +43,12 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "qkv-o-no-pdl": lambda cfg, n, k, rows, silu: (
         dataclasses.replace(cfg, pdl=False) if cfg.fma and not silu and k < 8192 else cfg
     ),
-    # the one-row layer tail (fused_mlp.py): o_proj, then the MLP in one launch; or all three separate
-    "mlp-launch": None,
-    "three-launches": None,
+    # the one-row layer after attention (fused_mlp.py; default: o_proj, MLP and the next qkv in one launch):
+    "tail-without-qkv": None,  # o_proj + MLP in one launch, the next qkv separate
+    "mlp-launch": None,  # o_proj, the MLP in one launch, qkv
+    "separate-launches": None,  # o_proj, gate_up, down, qkv
 }
-_LAYER_TAIL = {"mlp-launch": "mlp", "three-launches": "off"}
+_LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off"}
 
 
 def apply_gemm_tiles(path: Path) -> None:
@@ -68,7 +69,7 @@ def apply_gemm_variant(name: str) -> None:
     from reference_engine.kernels import decode_linear, skinny_gemm
 
     skinny_gemm.choose_config = _CHOOSE_CONFIG[0]
-    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp")
+    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
     if GEMM_VARIANTS[name] is not None:
         rewrite_gemm_configs(GEMM_VARIANTS[name])
 
@@ -229,7 +230,8 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5,
 
 LAYER_KERNELS = ("qkv + input norm", "attention (+ q/k norm, RoPE, cache)", "o_proj + residual",
                  "gate_up + post norm + SiLU", "down + residual")
-FUSED_MLP_LAYER_KERNELS = LAYER_KERNELS[:2] + ("o_proj + MLP (one launch)",)
+TAIL_LAYER_KERNELS = LAYER_KERNELS[:2] + ("o_proj + MLP (one launch)",)
+ONE_TAIL_LAYER_KERNELS = (LAYER_KERNELS[1], "o_proj + MLP + next qkv (one launch)")
 
 
 def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]:
@@ -248,11 +250,11 @@ def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]
         added.append((e["name"], max(end - last_end, 0.0)))
         last_end = max(last_end, end)
     attention = [i for i, (name, _) in enumerate(added) if "decode_split" in name]
-    labels = {len(names): names for names in (LAYER_KERNELS, FUSED_MLP_LAYER_KERNELS)}
+    labels = {len(names): names for names in (LAYER_KERNELS, TAIL_LAYER_KERNELS, ONE_TAIL_LAYER_KERNELS)}
     if len(attention) < 2 or attention[1] - attention[0] not in labels:
         return {}
     names = labels[attention[1] - attention[0]]
-    first, layers = attention[0] - 1, len(attention)
+    first, layers = attention[0] - names.index(LAYER_KERNELS[1]), len(attention)
     out = {}
     for offset, label in enumerate(names):
         values = sorted(added[first + layer * len(names) + offset][1] for layer in range(layers))

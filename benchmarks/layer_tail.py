@@ -1,12 +1,15 @@
-"""The layer tail (o_proj + residual, RMSNorm, gate_up + SiLU, down + residual) at one row, three ways.
+"""A decode layer's projections after attention at one row (o_proj + residual, gate_up + SiLU, down +
+residual, the next layer's qkv), four ways.
 
     python benchmarks/layer_tail.py [--sweep]
 
-`o+mlp`: one launch (fused_mlp.o_proj_mlp); `mlp`: o_proj, then the MLP in one launch; `off`: three
-skinny_gemm launches. Each runs 36 layers' distinct qwen3-4b weights chained (so weights come from HBM, as
-in a step) under CUDA-graph replay, with PDL as in the engine. First it checks that the fused launches give
-the separate launches' bits, also across graph replays (the counters reset). `--sweep` also times tile
-choices of the one-launch tail. Prints us per layer and the HBM floor for those weights. Needs a GPU.
+`o+mlp+qkv`: one launch (fused_mlp.o_proj_mlp with next_qkv, the engine's default); `o+mlp`: that launch
+without the qkv, then qkv; `mlp`: o_proj, the MLP in one launch, qkv; `off`: four skinny_gemm launches.
+Each runs 36 layers' distinct qwen3-4b weights chained (so weights come from HBM, as in a step) under
+CUDA-graph replay, with PDL as in the engine. First it checks that the fused launches give the separate
+launches' bits, also across graph replays (the counters reset). `--sweep` also times tile choices of the
+one launch. Then plain reads of the same weights: one launch over all, a launch per weight, and the
+projections' tile patterns without their math. Prints us per layer and the HBM floor. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from reference_engine.kernels import fused_mlp, skinny_gemm  # noqa: E402
 from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
 from reference_engine.kernels.pdl import launch_options, pdl_prologue  # noqa: E402
 
-HIDDEN, INTER, ATTN, LAYERS = 2560, 9728, 4096, 36
+HIDDEN, INTER, ATTN, QKV, LAYERS = 2560, 9728, 4096, 6144, 36
+MODES = ("off", "mlp", "o+mlp", "o+mlp+qkv")
 DEFAULT = MlpTiles()
-SWEEP = [  # tile experiments on top of MlpTiles() (H200 2026-12-01, us a layer tail, in docs/benchmarks.md)
-    dict(gu_n=8, gu_stages=4), dict(gu_n=8, gu_stages=4, d_n=4, d_stages=3), dict(gu_stages=4),
-    dict(gu_n=32, gu_k=128), dict(d_n=16), dict(o_n=8, o_k=512), dict(o_stages=4),
-    dict(num_warps=8, d_n=16, o_n=8),
+SWEEP = [  # tile experiments on top of MlpTiles() (H200 2026-12-01, us a layer, in docs/benchmarks.md)
+    dict(q_n=8), dict(q_n=32, q_k=256), dict(q_stages=4), dict(q_k=256, q_stages=4),
+    dict(gu_n=8, gu_stages=4, d_n=4, d_stages=3), dict(o_stages=4),
 ]
 
 
@@ -58,21 +61,21 @@ def _read_rows(w, out, K, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.con
     tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-def read_patterns(w_o: list[torch.Tensor], w_gu: list[torch.Tensor], w_d: list[torch.Tensor]) -> list:
-    """us per layer to read a layer tail's weights with each projection's tile pattern and nothing else,
-    three launches a layer with PDL as in the engine (no data dependencies, no arithmetic to speak of)."""
+def read_patterns(w_o: list[torch.Tensor], w_gu: list[torch.Tensor], w_d: list[torch.Tensor],
+                  w_q: list[torch.Tensor]) -> list:
+    """us per layer to read these weights with each projection's tile pattern and nothing else, a launch
+    per weight with PDL as in the engine (no data dependencies, no arithmetic to speak of)."""
     import triton.testing
 
     rows = []
-    for name, (o_tile, gu_tile, d_tile) in {
-        "read, engine tiles (o 4x1024/3, gate_up 8x256/4, down 4x512/3)": (
-            (4, 1024, 3), (8, 256, 4), (4, 512, 3)),
-        "read, wide tiles (16x512/4 each)": ((16, 512, 4),) * 3,
-        "read, one-row tiles x2 stages": ((4, 1024, 6), (8, 256, 8), (4, 512, 6)),
+    for name, (o_tile, gu_tile, d_tile, q_tile) in {
+        "read, separate kernels' tiles": ((4, 1024, 3), (8, 256, 4), (4, 512, 3), (16, 512, 3)),
+        "read, wide tiles (16x512/4 each)": ((16, 512, 4),) * 4,
     }.items():
         jobs = []
         for layer in range(LAYERS):
-            for w, (r, c, st) in ((w_o[layer], o_tile), (w_gu[layer], gu_tile), (w_d[layer], d_tile)):
+            tiles = ((w_o[layer], o_tile), (w_gu[layer], gu_tile), (w_d[layer], d_tile), (w_q[layer], q_tile))
+            for w, (r, c, st) in tiles:
                 jobs.append((w, torch.empty(w.shape[0] // r, device=w.device), r, c, st))
 
         def run(jobs=jobs) -> None:
@@ -115,29 +118,35 @@ def main() -> None:
         return [torch.randn(*shape, device=dev, dtype=dtype) * shape[1] ** -0.5 for _ in range(LAYERS)]
 
     w_o, w_gu, w_d = weights(HIDDEN, ATTN), weights(2 * INTER, HIDDEN), weights(HIDDEN, INTER)
+    w_q = weights(QKV, HIDDEN)
     norm = (torch.rand(HIDDEN, device=dev) + 0.5).to(dtype)
     attn = torch.randn(1, ATTN, device=dev, dtype=dtype)
     x0 = torch.randn(1, HIDDEN, device=dev, dtype=dtype)
 
     def chain(mode: str, tiles: MlpTiles = DEFAULT):
-        def run() -> torch.Tensor:
-            x = x0
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            x, qkv = x0, None
             for layer in range(LAYERS):
-                if mode == "o+mlp":
-                    x = fused_mlp.o_proj_mlp(attn, w_o[layer], x, norm, w_gu[layer], w_d[layer], 1e-6,
-                                             tiles=tiles)
-                    continue
-                x = skinny_gemm.linear_residual(attn, w_o[layer], x)
-                if mode == "mlp":
-                    x = fused_mlp.mlp_residual(x, norm, w_gu[layer], w_d[layer], 1e-6, tiles=tiles)
+                nxt = (norm, w_q[layer])
+                if mode.startswith("o+mlp"):
+                    x, qkv = fused_mlp.o_proj_mlp(attn, w_o[layer], x, norm, w_gu[layer], w_d[layer], 1e-6,
+                                                  next_qkv=nxt if mode == "o+mlp+qkv" else None, tiles=tiles)
                 else:
-                    act = skinny_gemm.norm_gate_up_silu(x, norm, w_gu[layer], 1e-6)
-                    x = skinny_gemm.linear_residual(act, w_d[layer], x)
-            return x
+                    x = skinny_gemm.linear_residual(attn, w_o[layer], x)
+                    if mode == "mlp":
+                        x = fused_mlp.mlp_residual(x, norm, w_gu[layer], w_d[layer], 1e-6, tiles=tiles)
+                    else:
+                        act = skinny_gemm.norm_gate_up_silu(x, norm, w_gu[layer], 1e-6)
+                        x = skinny_gemm.linear_residual(act, w_d[layer], x)
+                if qkv is None:
+                    qkv = skinny_gemm.norm_linear(x, *nxt, 1e-6)
+                if layer < LAYERS - 1:
+                    qkv = None
+            return x, qkv
         return run
 
     separate = chain("off")()
-    for mode in ("o+mlp", "mlp"):
+    for mode in MODES[1:]:
         eager = chain(mode)()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
@@ -147,29 +156,31 @@ def main() -> None:
             for _ in range(10):
                 graph.replay()
         torch.cuda.synchronize()
-        print(f"{mode}: bits equal to three launches: eager {torch.equal(eager, separate)}, "
-              f"after 10 graph replays {torch.equal(replayed, separate)}")
+        same = [all(map(torch.equal, got, separate)) for got in (eager, replayed)]
+        print(f"{mode}: output and last qkv equal to separate launches: eager {same[0]}, "
+              f"after 10 graph replays {same[1]}")
         del graph
 
-    floor = (w_o[0].numel() + w_gu[0].numel() + w_d[0].numel()) * 2 / 4.28e12 * 1e6
+    floor = (w_o[0].numel() + w_gu[0].numel() + w_d[0].numel() + w_q[0].numel()) * 2 / 4.28e12 * 1e6
 
     def us(run) -> float:
         return triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3 / LAYERS
 
-    rows = [(mode, us(chain(mode))) for mode in ("off", "mlp", "o+mlp")]
+    rows = [(mode, us(chain(mode))) for mode in MODES]
     if args.sweep:
         for change in SWEEP:
             tiles = dataclasses.replace(MlpTiles(), **change)
-            rows.append((f"o+mlp {change}", us(chain("o+mlp", tiles))))
-    tail_weights = [w for layer in range(LAYERS) for w in (w_o[layer], w_gu[layer], w_d[layer])]
+            rows.append((f"o+mlp+qkv {change}", us(chain("o+mlp+qkv", tiles))))
+    tail_weights = [w for layer in range(LAYERS) for w in (w_o[layer], w_gu[layer], w_d[layer], w_q[layer])]
     nbytes = sum(w.numel() * 2 for w in tail_weights)
     for per_tensor, name in ((True, "read only, a launch per weight"), (False, "read only, one launch")):
         seconds = read_rate(tail_weights, per_tensor=per_tensor)
         rows.append((f"{name} ({nbytes / seconds / 1e12:.2f} TB/s)", seconds * 1e6 / LAYERS))
-    rows += read_patterns(w_o, w_gu, w_d)
-    print(f"\nus per layer tail (36 layers chained, graph replays; floor {floor:.2f} us at 4.28 TB/s):")
+    rows += read_patterns(w_o, w_gu, w_d, w_q)
+    print(f"\nus per layer (o_proj, MLP, next qkv; 36 layers chained, graph replays; floor {floor:.2f} us "
+          "at 4.28 TB/s):")
     for name, value in rows:
-        print(f"  {name:48s} {value:7.2f}")
+        print(f"  {name:56s} {value:7.2f}")
 
 
 if __name__ == "__main__":

@@ -142,10 +142,14 @@ class Qwen3Model:
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         x = ops.embedding(self.embed, input_ids)
+        qkv = ops.norm_linear(x, self.layers[0].input_norm, self.layers[0].qkv, eps)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[index]
-            attn = self._attention(layer, x, positions, k_cache, v_cache, meta)
-            x = ops.o_proj_mlp(attn, layer.o_proj, x, layer.post_norm, layer.gate_up, layer.down, eps)
+            attn = self._attention(layer, qkv, positions, k_cache, v_cache, meta)
+            # The next layer's qkv comes with this layer's tail (one launch at decode, fused_mlp.py).
+            after = self.layers[index + 1] if index + 1 < len(self.layers) else None
+            x, qkv = ops.o_proj_mlp(attn, layer.o_proj, x, layer.post_norm, layer.gate_up, layer.down, eps,
+                                    next_qkv=(after.input_norm, after.qkv) if after is not None else None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -157,16 +161,15 @@ class Qwen3Model:
     def _attention(
         self,
         layer: LayerWeights,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Attention of the residual stream x (normed here, inside the qkv projection)."""
+        """Attention from the layer's qkv projection (of the normed residual stream)."""
         cfg = self.config
-        tokens = x.shape[0]
-        qkv = self.ops.norm_linear(x, layer.input_norm, layer.qkv, cfg.rms_norm_eps)
+        tokens = qkv.shape[0]
         heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
         if layer.q_norm is not None and not meta.is_prefill and not meta.shared_rows:
             # Qwen3 decode: prologue and attention, one op

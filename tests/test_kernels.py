@@ -279,34 +279,43 @@ def test_single_row_fma_path(dtype, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden, inter", [(128, 256), (64, 96)])  # 96: chunks of 32 intermediates
 def test_layer_tail_in_one_launch(dtype, hidden, inter, gen):
-    """fused_mlp: o_proj + residual, gate_up + SiLU and down + residual in one launch (and the MLP alone)
-    give the separate launches' bits (same sums in the same order), match torch, and leave the chunk flags
-    and dispatch counter at zero for the next launch (graph replays reuse them)."""
+    """fused_mlp: o_proj + residual, gate_up + SiLU, down + residual and the next layer's qkv in one launch
+    (and the shorter chains) give the separate launches' bits (same sums in the same order), match torch,
+    and leave the chunk flags and dispatch counter at zero for the next launch (graph replays reuse them)."""
     from reference_engine.kernels import decode_linear, fused_mlp, skinny_gemm, split_merge
 
-    attn_dim = 96
+    attn_dim, qkv_dim = 96, 80
     attn = randn(1, attn_dim, dtype=dtype, gen=gen)
     w_o = randn(hidden, attn_dim, dtype=dtype, gen=gen) * attn_dim**-0.5
     x = randn(1, hidden, dtype=dtype, gen=gen)
-    norm_w = randn(hidden, dtype=dtype, gen=gen)
+    norm_w, next_norm = randn(hidden, dtype=dtype, gen=gen), randn(hidden, dtype=dtype, gen=gen)
     w_gate_up = randn(2 * inter, hidden, dtype=dtype, gen=gen) * hidden**-0.5
     w_down = randn(hidden, inter, dtype=dtype, gen=gen) * inter**-0.5
+    w_qkv = randn(qkv_dim, hidden, dtype=dtype, gen=gen) * hidden**-0.5
     args = (norm_w, w_gate_up, w_down, 1e-6)
-    assert fused_mlp.supports(x, w_gate_up, w_down, w_o)
+    assert fused_mlp.supports(x, w_gate_up, w_down, w_o, w_qkv)
     h = skinny_gemm.linear_residual(attn, w_o, x)
     act = skinny_gemm.norm_gate_up_silu(h, norm_w, w_gate_up, 1e-6)
     separate = skinny_gemm.linear_residual(act, w_down, h)
+    separate_qkv = skinny_gemm.norm_linear(separate, next_norm, w_qkv, 1e-6)
     for _ in range(2):  # the second launch finds the counters the first one reset
-        assert torch.equal(fused_mlp.o_proj_mlp(attn, w_o, x, *args), separate)
+        out, qkv = fused_mlp.o_proj_mlp(attn, w_o, x, *args, next_qkv=(next_norm, w_qkv))
+        assert torch.equal(out, separate) and torch.equal(qkv, separate_qkv)
+        out, qkv = fused_mlp.o_proj_mlp(attn, w_o, x, *args)
+        assert torch.equal(out, separate) and qkv is None
         assert torch.equal(fused_mlp.mlp_residual(h, *args), separate)
         assert not split_merge.counters_for(x.device, "layer tail", 0).any()
     tol = 6e-2 if dtype == torch.bfloat16 else 1e-4
-    assert_close(separate, REF.o_proj_mlp(attn, w_o, x, *args), dtype, atol=tol)
+    ref_out, ref_qkv = REF.o_proj_mlp(attn, w_o, x, *args, next_qkv=(next_norm, w_qkv))
+    assert_close(separate, ref_out, dtype, atol=tol)
+    assert_close(separate_qkv, ref_qkv, dtype, atol=2 * tol)
     # More rows than one take the separate launches; the op is the same function either way.
     attn3, x3 = randn(3, attn_dim, dtype=dtype, gen=gen), randn(3, hidden, dtype=dtype, gen=gen)
     assert not fused_mlp.supports(x3, w_gate_up, w_down, w_o)
-    assert_close(decode_linear.o_proj_mlp(attn3, w_o, x3, *args), REF.o_proj_mlp(attn3, w_o, x3, *args),
-                 dtype, atol=tol)
+    got = decode_linear.o_proj_mlp(attn3, w_o, x3, *args, next_qkv=(next_norm, w_qkv))
+    want = REF.o_proj_mlp(attn3, w_o, x3, *args, next_qkv=(next_norm, w_qkv))
+    assert_close(got[0], want[0], dtype, atol=tol)
+    assert_close(got[1], want[1], dtype, atol=2 * tol)
 
 
 @pytest.mark.parametrize("split_k", [2, 3])

@@ -12,9 +12,10 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
 - norm_linear(x, norm_w, w, eps, *, out_dtype=None) -> rmsnorm(x) @ w.T (qkv; LM head with fp32 out)
 - norm_gate_up_silu(x, norm_w, w_gate_up, eps) -> silu_and_mul(rmsnorm(x) @ w_gate_up.T)
 - linear_residual(x, w, residual) -> residual + x @ w.T (o_proj, down)
-- o_proj_mlp(attn, w_o, x, norm_w, w_gate_up, w_down, eps) -> h + down(norm_gate_up_silu(h)) with
-  h = linear_residual(attn, w_o, x): a layer after its attention; at one row the Triton version is one
-  launch (fused_mlp.py)
+- o_proj_mlp(attn, w_o, x, norm_w, w_gate_up, w_down, eps, *, next_qkv=None) -> (out, qkv): a layer after
+  its attention, out = h + down(norm_gate_up_silu(h)) with h = linear_residual(attn, w_o, x), and with
+  next_qkv = (input norm, qkv weight) the next layer's norm_linear(out, ...) (else None); at one row the
+  Triton version is one launch (fused_mlp.py)
   The Triton versions of these three are single decode kernels (skinny_gemm.py) for up to 16 rows, and
   compose cuBLAS with the Triton row kernels above that (prefill).
 - qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, k_cache, v_cache, slot_mapping,

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from reference_engine.kernels import elementwise, fused_mlp, skinny_gemm
 
-# How a one-row layer tail runs (fused_mlp.py): "o+mlp" one launch, "mlp" o_proj then the MLP in one
-# launch, "off" three launches. Benchmarks switch it to compare the seams in whole steps.
-FUSED_MLP = {"mode": "o+mlp"}
+# How a one-row layer tail runs (fused_mlp.py): "o+mlp+qkv" one launch with the next layer's qkv, "o+mlp"
+# one launch and the next qkv separately, "mlp" o_proj then the MLP in one launch, "off" all separate.
+# Benchmarks switch it to compare the seams in whole steps.
+FUSED_MLP = {"mode": "o+mlp+qkv"}
 
 
 def norm_linear(
@@ -43,12 +44,19 @@ def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) ->
 
 def o_proj_mlp(
     attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
-    w_down: torch.Tensor, eps: float,
-) -> torch.Tensor:
+    w_down: torch.Tensor, eps: float, *, next_qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     mode = FUSED_MLP["mode"]
-    if mode == "o+mlp" and attn.is_contiguous() and fused_mlp.supports(x, w_gate_up, w_down, w_o):
-        return fused_mlp.o_proj_mlp(attn, w_o, x, norm_w, w_gate_up, w_down, eps)
-    h = linear_residual(attn, w_o, x)
-    if mode != "off" and fused_mlp.supports(h, w_gate_up, w_down):
-        return fused_mlp.mlp_residual(h, norm_w, w_gate_up, w_down, eps)
-    return linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h)
+    one_launch = mode.startswith("o+mlp") and attn.is_contiguous()
+    with_qkv = next_qkv if mode == "o+mlp+qkv" else None
+    if one_launch and fused_mlp.supports(x, w_gate_up, w_down, w_o, with_qkv[1] if with_qkv else None):
+        out, qkv = fused_mlp.o_proj_mlp(attn, w_o, x, norm_w, w_gate_up, w_down, eps, next_qkv=with_qkv)
+    else:
+        h = linear_residual(attn, w_o, x)
+        if mode != "off" and fused_mlp.supports(h, w_gate_up, w_down):
+            out, qkv = fused_mlp.mlp_residual(h, norm_w, w_gate_up, w_down, eps), None
+        else:
+            out, qkv = linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h), None
+    if qkv is None and next_qkv is not None:
+        qkv = norm_linear(out, *next_qkv, eps)
+    return out, qkv

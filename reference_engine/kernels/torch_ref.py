@@ -55,11 +55,14 @@ def linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) ->
 
 def o_proj_mlp(
     attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
-    w_down: torch.Tensor, eps: float,
-) -> torch.Tensor:
-    """A layer after its attention: h = x + attn @ w_o.T, then h + down(norm_gate_up_silu(h))."""
+    w_down: torch.Tensor, eps: float, *, next_qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer after its attention: (out, qkv) with h = x + attn @ w_o.T, out = h + mlp(h) where mlp is
+    down(norm_gate_up_silu(h)), and given next_qkv = (input norm, qkv weight) of the next layer,
+    qkv = norm_linear(out, ...) (else None)."""
     h = linear_residual(attn, w_o, x)
-    return linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h)
+    out = linear_residual(norm_gate_up_silu(h, norm_w, w_gate_up, eps), w_down, h)
+    return out, (norm_linear(out, *next_qkv, eps) if next_qkv is not None else None)
 
 
 def paged_decode_attention(
