@@ -2,7 +2,9 @@
 
 Fast-path layout: q/k/v projections fused into one `qkv` weight and gate/up into one `gate_up` weight, so a
 layer is 4 GEMMs (qkv, o, gate_up, down), each carrying the norm, SiLU or residual add next to it, plus the
-attention kernels of `reference_engine.kernels`.
+attention kernels of `reference_engine.kernels`. The forward computes the first layer's qkv before the loop
+and each later one with the layer before it (`o_proj_mlp(next_qkv=...)`), so the one-row Triton decode
+layer is two launches.
 
 Two attention paths share every other op:
 - prefill: each sequence's whole prompt at once; k/v are written to the paged cache and attention runs with
@@ -136,8 +138,9 @@ class Qwen3Model:
         tokens concatenated). `compute_logits` applies the final norm, so callers can pick rows first.
 
         Each norm is folded into the projection that reads it and each residual add into the projection that
-        writes it (kernels' norm_linear / o_proj_mlp): a decode layer is the four
-        weight reads plus the attention kernels.
+        writes it (kernels' norm_linear / o_proj_mlp): a decode layer is the four weight reads plus the
+        attention kernel. With Triton at one row that is two launches: attention, then o_proj, the MLP and
+        the next layer's qkv in one (fused_mlp.py).
         """
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps

@@ -56,6 +56,8 @@ class MlpTiles:
     q_k: int = 512
     q_stages: int = 3
     num_warps: int = 4
+    max_registers: int | None = None  # ptxas cap per thread (more programs per SM, maybe spills)
+    no_wait: bool = False  # benchmarks only: skip the flag waits to time the launch without dependencies
 
     def fit(self, hidden: int, inter: int, attn_dim: int) -> MlpTiles:
         """K steps halved until they divide small shapes (the tiny test model)."""
@@ -69,11 +71,13 @@ class MlpTiles:
 
 
 @triton.jit
-def _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS: tl.constexpr):
+def _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr = False):
     """How many leading chunks have all `per_chunk` producer tiles counted. One flag a thread (FLAGS >= the
     CTA's threads): the min then crosses warps through shared memory and every warp gets the same answer.
     With fewer flags each warp would read its own copy, could see another count, and the warps' K loops
     (barriers inside) would fall out of step. Read through L2 (volatile): never a stale L1 line."""
+    if NO_WAIT:  # benchmarks only: what the dependencies cost (the results are wrong)
+        return chunks
     offs = tl.arange(0, FLAGS)
     seen = tl.load(flags_ptr + offs, mask=offs < chunks, other=per_chunk, volatile=True)
     return tl.min(tl.where(seen < per_chunk, offs, chunks), axis=0)
@@ -89,7 +93,7 @@ def _count_done(flag_ptr):
 @triton.jit
 def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
                N: tl.constexpr, K_STEP: tl.constexpr, STAGES: tl.constexpr, SILU: tl.constexpr,
-               WAIT: tl.constexpr, PER_CHUNK: tl.constexpr, FLAGS: tl.constexpr):
+               WAIT: tl.constexpr, PER_CHUNK: tl.constexpr, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """rmsnorm(src) @ w.T for the N weight rows `w_rows` ([N, K_STEP] pointers at K offset 0), or with SILU
     silu(that) * (the same with the rows up_offset further): skinny_gemm's one-row FMA tile, the same sums
     in the same order. With WAIT the K loop walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills
@@ -103,7 +107,7 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
     while done < chunks:
         ready = chunks
         if WAIT:
-            ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS)
+            ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, NO_WAIT)
         # The loads below come after the flag reads that allowed them (loop bounds).
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
             xk = tl.load(src_ptr + k + kk).to(tl.float32)
@@ -129,7 +133,7 @@ def _layer_tail_kernel(
     GU_N: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
     D_N: tl.constexpr, D_K: tl.constexpr, D_STAGES: tl.constexpr,
     NEXT_QKV: tl.constexpr, Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
-    FLAGS: tl.constexpr, USE_PDL: tl.constexpr,
+    FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # inputs are earlier kernels' outputs; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -162,7 +166,7 @@ def _layer_tail_kernel(
         if O_PROJ:
             src = h_ptr
         act = _norm_rows(src, norm_ptr, rows, INTER * stride_gu, h_flags, H, eps, GU_N, GU_K, GU_STAGES,
-                         True, O_PROJ, GU_K // O_N, FLAGS)
+                         True, O_PROJ, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_ptr + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (vid - o_programs) * GU_N // D_K)
     elif vid < o_programs + gu_programs + d_programs:  # out = h + act @ w_down.T for D_N columns
@@ -172,7 +176,7 @@ def _layer_tail_kernel(
         acc = tl.zeros((D_N, D_K), dtype=tl.float32)
         done = 0
         while done < act_chunks:
-            ready = _chunks_ready(act_flags, act_chunks, D_K // GU_N, FLAGS)
+            ready = _chunks_ready(act_flags, act_chunks, D_K // GU_N, FLAGS, NO_WAIT)
             for k in tl.range(done * D_K, ready * D_K, D_K, num_stages=D_STAGES):
                 a = tl.load(act_ptr + k + dk).to(tl.float32)
                 acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]
@@ -192,7 +196,7 @@ def _layer_tail_kernel(
         rows = wq_ptr + tl.minimum(rn, QKV - 1).to(tl.int64)[:, None] * stride_q
         rows = rows + tl.arange(0, Q_K)[None, :]
         y = _norm_rows(out_ptr, next_norm_ptr, rows, 0, out_flags, H, eps, Q_N, Q_K, Q_STAGES, False, True,
-                       Q_K // D_N, FLAGS)
+                       Q_K // D_N, FLAGS, NO_WAIT)
         tl.store(qkv_ptr + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _last_resets(sync_ptr, tl.cdiv(QKV, Q_N), FLAGS, act_chunks, h_chunks, H // Q_K)
 
@@ -243,6 +247,8 @@ def _launch(attn, w_o, x, norm_w, w_gate_up, w_down, eps, next_qkv, tiles: MlpTi
     out = torch.empty_like(x)
     qkv = torch.empty(1, w_qkv.shape[0], dtype=x.dtype, device=x.device) if next_qkv else out
     use_pdl, pdl = launch_options(x)
+    if t.max_registers:
+        pdl = {**pdl, "maxnreg": t.max_registers}
     programs = (triton.cdiv(hidden, t.o_n) if o_proj else 0) + triton.cdiv(inter, t.gu_n)
     programs += triton.cdiv(hidden, t.d_n) + (triton.cdiv(w_qkv.shape[0], t.q_n) if next_qkv else 0)
     _layer_tail_kernel[(programs,)](
@@ -253,7 +259,7 @@ def _launch(attn, w_o, x, norm_w, w_gate_up, w_down, eps, next_qkv, tiles: MlpTi
         O_PROJ=o_proj, O_N=t.o_n, O_K=t.o_k, O_STAGES=t.o_stages,
         GU_N=t.gu_n, GU_K=t.gu_k, GU_STAGES=t.gu_stages, D_N=t.d_n, D_K=t.d_k, D_STAGES=t.d_stages,
         NEXT_QKV=next_qkv is not None, Q_N=t.q_n, Q_K=t.q_k, Q_STAGES=t.q_stages,
-        FLAGS=flags, USE_PDL=use_pdl, num_warps=t.num_warps, **pdl,
+        FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, num_warps=t.num_warps, **pdl,
     )
     return out, (qkv if next_qkv else None)
 
