@@ -56,7 +56,6 @@ class MlpTiles:
     q_k: int = 512
     q_stages: int = 3
     num_warps: int = 4
-    max_registers: int | None = None  # ptxas cap per thread (more programs per SM, maybe spills)
     no_wait: bool = False  # benchmarks only: skip the flag waits to time the launch without dependencies
 
     def fit(self, hidden: int, inter: int, attn_dim: int) -> MlpTiles:
@@ -247,8 +246,6 @@ def _launch(attn, w_o, x, norm_w, w_gate_up, w_down, eps, next_qkv, tiles: MlpTi
     out = torch.empty_like(x)
     qkv = torch.empty(1, w_qkv.shape[0], dtype=x.dtype, device=x.device) if next_qkv else out
     use_pdl, pdl = launch_options(x)
-    if t.max_registers:
-        pdl = {**pdl, "maxnreg": t.max_registers}
     programs = (triton.cdiv(hidden, t.o_n) if o_proj else 0) + triton.cdiv(inter, t.gu_n)
     programs += triton.cdiv(hidden, t.d_n) + (triton.cdiv(w_qkv.shape[0], t.q_n) if next_qkv else 0)
     _layer_tail_kernel[(programs,)](
