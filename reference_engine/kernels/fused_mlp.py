@@ -21,6 +21,11 @@ done, so one phase's tail overlaps the next one's ramp. With `o_proj=False` the 
 (x is the MLP's input). Every output is one program's K loop in order, as in the separate kernels: the
 result does not depend on timing and matches them bit for bit. The last program of the last phase resets
 the counters for the next launch (graph replays reuse them).
+
+Limit: the counters are per device, so two of these launches must not run at the same time (two engines
+stepping concurrently on one GPU on different streams): their programs would take each other's roles and
+wait forever. Launches on one stream are safe, PDL included: a program takes its role only after waiting
+for the previous kernel. Attention's split tickets share the same rule (there the failure is wrong output).
 """
 
 from __future__ import annotations
