@@ -43,10 +43,10 @@ from reference_engine.kernels.split_merge import counters_for
 
 @dataclass(frozen=True)
 class MlpTiles:
-    """Per phase: columns per program, K step, pipeline stages. o_proj keeps skinny_gemm's one-row tile; in
-    one launch wider gate_up and down tiles stream better (`benchmarks/layer_tail.py --sweep`, H200, us a
-    layer tail: 46.4 with these; 47.9 with gate_up 8 rows / 4 stages; 48.4 with down 4 columns / 3 stages
-    as well, the separate kernels' tiles)."""
+    """Per phase: columns per program, K step, pipeline stages. o_proj and qkv keep skinny_gemm's one-row
+    tiles; in one launch wider gate_up and down tiles stream better (`benchmarks/layer_tail.py --sweep`,
+    H200, us for o_proj + MLP: 46.4 with these, 47.9 with gate_up's 8 rows / 4 stages, 48.4 with down's 4
+    columns / 3 stages as well; with the next qkv: 55.8 against 59.4, and qkv at 8 rows 59.1)."""
 
     o_n: int = 4
     o_k: int = 1024
