@@ -56,8 +56,10 @@ def choose_config(n: int, k: int, rows: int, *, silu: bool = False) -> GemmConfi
     SMs. PDL helped the narrow MMA products by ~0.5-1 us and slowed the wide SiLU one (28.5 -> 32.3 us, its
     big shared-memory tiles block the early-launched next kernel), so there it is on only where it helped.
     """
-    if n >= 65536:  # LM head: many waves of programs, nothing to overlap
-        cfg = GemmConfig(128, 128, 8, 5 if rows == 1 else 3)
+    if n >= 65536 and rows == 1:  # LM head at one row: 176 us (4.41 TB/s) against 183+ for the MMA tile
+        cfg = GemmConfig(16, 256, 4, 3, fma=True, pdl=True)
+    elif n >= 65536:  # LM head: many waves of programs, nothing to overlap
+        cfg = GemmConfig(128, 128, 8, 3)
     elif rows == 1:  # FMA tiles, the K loop pipelined (2026-12-01 sweep)
         cfg = (GemmConfig(8, 256, 4, 4, fma=True, pdl=True) if silu
                else GemmConfig(4, 512, 4, 3, fma=True, pdl=True) if k >= 8192
