@@ -112,7 +112,9 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
         ready = chunks
         if WAIT:
             ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, NO_WAIT)
-        # The loads below come after the flag reads that allowed them (loop bounds).
+        # The loads below come after the flag reads that allowed them (loop bounds), and no program reads a
+        # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
+        # look-ahead loads past `ready` are masked off).
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
             xk = tl.load(src_ptr + k + kk).to(tl.float32)
             sum_sq += tl.sum(xk * xk, axis=0)
