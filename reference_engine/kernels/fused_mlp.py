@@ -31,6 +31,7 @@ for the previous kernel. Attention's split tickets share the same rule (there th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,7 @@ class MlpTiles:
     num_warps: int = 4
     no_wait: bool = False  # benchmarks only: skip the flag waits to time the launch without dependencies
 
+    @functools.cache  # noqa: B019 (frozen, few instances): every eager launch asks, twice
     def fit(self, hidden: int, inter: int, attn_dim: int) -> MlpTiles:
         """K steps halved until they divide small shapes (the tiny test model)."""
         def shrink(step: int, k: int, least: int) -> int:
@@ -131,6 +133,28 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
 
 
 @triton.jit
+def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constexpr,
+                   K_STEP: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, PER_CHUNK: tl.constexpr,
+                   FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+    """res[col] + src @ w.T for the N weight rows `w_cols` ([N, K_STEP] pointers at K offset 0, one per
+    output column col): skinny_gemm's one-row FMA tile with its residual epilogue, the same sums in the same
+    order. With WAIT the K loop walks src chunk by chunk as `flags_ptr` fills, as in `_norm_rows`."""
+    kk = tl.arange(0, K_STEP)
+    acc = tl.zeros((N, K_STEP), dtype=tl.float32)
+    chunks = K // K_STEP
+    done = 0
+    while done < chunks:
+        ready = chunks
+        if WAIT:
+            ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, NO_WAIT)
+        for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
+            a = tl.load(src_ptr + k + kk).to(tl.float32)
+            acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]
+        done = ready
+    return tl.sum(acc, axis=1) + tl.load(res_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _layer_tail_kernel(
     attn_ptr, wo_ptr, x_ptr, norm_ptr, wgu_ptr, wd_ptr, h_ptr, act_ptr, out_ptr, sync_ptr,
     next_norm_ptr, wq_ptr, qkv_ptr,
@@ -155,13 +179,9 @@ def _layer_tail_kernel(
     act_chunks = INTER // D_K
     if vid < o_programs:  # h = x + attn @ w_o.T for O_N columns
         col = vid * O_N + tl.arange(0, O_N)
-        ok = tl.arange(0, O_K)
-        w_rows = wo_ptr + tl.minimum(col, H - 1).to(tl.int64)[:, None] * stride_o + ok[None, :]
-        acc = tl.zeros((O_N, O_K), dtype=tl.float32)
-        for k in tl.range(0, A, O_K, num_stages=O_STAGES):
-            a = tl.load(attn_ptr + k + ok).to(tl.float32)
-            acc += tl.load(w_rows + k).to(tl.float32) * a[None, :]
-        h = tl.sum(acc, axis=1) + tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+        w_rows = wo_ptr + tl.minimum(col, H - 1).to(tl.int64)[:, None] * stride_o + tl.arange(0, O_K)[None, :]
+        h = _residual_cols(attn_ptr, w_rows, x_ptr, col, h_flags, A, H, O_N, O_K, O_STAGES, False, 1, FLAGS,
+                           NO_WAIT)
         tl.store(h_ptr + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
         _count_done(h_flags + vid * O_N // GU_K)
     elif vid < o_programs + gu_programs:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T), GU_N rows
@@ -177,22 +197,14 @@ def _layer_tail_kernel(
         _count_done(act_flags + (vid - o_programs) * GU_N // D_K)
     elif vid < o_programs + gu_programs + d_programs:  # out = h + act @ w_down.T for D_N columns
         col = (vid - o_programs - gu_programs) * D_N + tl.arange(0, D_N)
-        dk = tl.arange(0, D_K)
-        w_cols = wd_ptr + tl.minimum(col, H - 1).to(tl.int64)[:, None] * stride_d + dk[None, :]
-        acc = tl.zeros((D_N, D_K), dtype=tl.float32)
-        done = 0
-        while done < act_chunks:
-            ready = _chunks_ready(act_flags, act_chunks, D_K // GU_N, FLAGS, NO_WAIT)
-            for k in tl.range(done * D_K, ready * D_K, D_K, num_stages=D_STAGES):
-                a = tl.load(act_ptr + k + dk).to(tl.float32)
-                acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]
-            done = ready
-        # h is complete: every gate_up tile read all of it before counting.
+        w_cols = wd_ptr + tl.minimum(col, H - 1).to(tl.int64)[:, None] * stride_d + tl.arange(0, D_K)[None, :]
+        # The residual h is complete: every gate_up tile read all of it before counting.
         res_ptr = x_ptr
         if O_PROJ:
             res_ptr = h_ptr
-        res = tl.load(res_ptr + col, mask=col < H, other=0.0).to(tl.float32)
-        tl.store(out_ptr + col, (tl.sum(acc, axis=1) + res).to(out_ptr.dtype.element_ty), mask=col < H)
+        out = _residual_cols(act_ptr, w_cols, res_ptr, col, act_flags, INTER, H, D_N, D_K, D_STAGES, True,
+                             D_K // GU_N, FLAGS, NO_WAIT)
+        tl.store(out_ptr + col, out.to(out_ptr.dtype.element_ty), mask=col < H)
         if NEXT_QKV:
             _count_done(out_flags + (vid - o_programs - gu_programs) * D_N // Q_K)
         else:
