@@ -29,64 +29,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
+from reference_engine.kernels import decode_linear, skinny_gemm
 from reference_engine.model import Qwen3Model
 
 GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applied on top of choose_config
     "default": None,
     "dot-no-pdl": lambda cfg, n, k, rows, silu: cfg if cfg.fma else dataclasses.replace(cfg, pdl=False),
     "gate-up-pdl": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, pdl=True) if silu else cfg,
-    # o_proj at one row: 4 x 512 tiles (30 registers, every program resident) instead of 8 x 1024 (116)
-    "o-narrow": lambda cfg, n, k, rows, silu: (
-        dataclasses.replace(cfg, block_n=4, block_k=512) if cfg.fma and 4096 <= k < 8192 else cfg
-    ),
-    # qkv and o_proj at one row without PDL (their chained single-op sweep favoured it; whole steps decide)
-    "qkv-o-no-pdl": lambda cfg, n, k, rows, silu: (
-        dataclasses.replace(cfg, pdl=False) if cfg.fma and not silu and k < 8192 else cfg
-    ),
     # the one-row layer after attention (fused_mlp.py; default: o_proj, MLP and the next qkv in one launch):
     "tail-without-qkv": None,  # o_proj + MLP in one launch, the next qkv separate
     "mlp-launch": None,  # o_proj, the MLP in one launch, qkv
     "separate-launches": None,  # o_proj, gate_up, down, qkv
 }
 _LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off"}
+_CHOOSE_CONFIG = skinny_gemm.choose_config  # the engine's own, restored before each variant
 
 
-def apply_gemm_tiles(path: Path) -> None:
-    """Benchmark-only: the engine's decode GEMMs take the tiles a skinny_gemm_sweep.py --json run chose."""
-    from reference_engine.kernels import skinny_gemm
-
+def gemm_tiles(path: Path):
+    """Benchmark-only: a rewrite giving the engine's decode GEMMs the tiles a skinny_gemm_sweep.py --json run
+    chose."""
     table = {}
     for row in json.loads(path.read_text())["shapes"]:
         silu = row["shape"].startswith("gate_up")
         n = row["n"] // 2 if silu else row["n"]
         table[(n, row["k"], row["rows"], silu)] = skinny_gemm.GemmConfig(**(row["pdl_best"] or row["best"]))
-    rewrite_gemm_configs(lambda cfg, n, k, rows, silu: table.get((n, k, rows, silu)) or cfg)
+    return lambda cfg, n, k, rows, silu: table.get((n, k, rows, silu)) or cfg
 
 
-def apply_gemm_variant(name: str) -> None:
-    """Benchmark-only: rewrite the engine's decode GEMM tiles (or MLP launch), to compare designs in whole
-    steps. Undone by the next call (variants run one after another in one process)."""
-    from reference_engine.kernels import decode_linear, skinny_gemm
-
-    skinny_gemm.choose_config = _CHOOSE_CONFIG[0]
+def apply_gemm_variant(name: str, tiles=None) -> None:
+    """Benchmark-only: rewrite the engine's decode GEMM tiles (or how the layer after attention launches),
+    then apply `tiles` (a gemm_tiles rewrite) on top, to compare designs in whole steps. Each call starts
+    from the engine's own choices (variants run one after another in one process)."""
+    skinny_gemm.choose_config = _CHOOSE_CONFIG
     decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
-    if GEMM_VARIANTS[name] is not None:
-        rewrite_gemm_configs(GEMM_VARIANTS[name])
-
-
-def _original_choose_config():
-    from reference_engine.kernels import skinny_gemm
-
-    return [skinny_gemm.choose_config]
-
-
-_CHOOSE_CONFIG = _original_choose_config()
+    for rewrite in (GEMM_VARIANTS[name], tiles):
+        if rewrite is not None:
+            rewrite_gemm_configs(rewrite)
 
 
 def rewrite_gemm_configs(rewrite) -> None:
     """Patch skinny_gemm.choose_config: rewrite(cfg, n, k, rows, silu) -> cfg on top of its choice."""
-    from reference_engine.kernels import skinny_gemm
-
     chosen = skinny_gemm.choose_config
 
     def patched(n: int, k: int, rows: int, *, silu: bool = False):
@@ -402,9 +384,8 @@ def main() -> None:
     if unknown:
         choices = ", ".join(sorted(GEMM_VARIANTS))
         parser.error(f"unknown --gemm-variant {', '.join(unknown)}: choose from {choices}")
-    apply_gemm_variant(variants[0])
-    if args.gemm_tiles:
-        apply_gemm_tiles(args.gemm_tiles)
+    tiles = gemm_tiles(args.gemm_tiles) if args.gemm_tiles else None
+    apply_gemm_variant(variants[0], tiles)
 
     base = Config(preset=args.preset, max_model_len=args.max_model_len)
     cuda = base.device == "cuda"
@@ -440,7 +421,7 @@ def main() -> None:
     if not args.no_bench:
         for variant, kernels, mode in itertools.product(variants, args.kernels.split(","),
                                                         args.modes.split(",")):
-            apply_gemm_variant(variant)
+            apply_gemm_variant(variant, tiles)
             graph, _, overlap = mode.partition("-")
             label = mode if variant == "default" else f"{mode}/{variant}"
             engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap))
