@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,8 +66,6 @@ def read_patterns(w_o: list[torch.Tensor], w_gu: list[torch.Tensor], w_d: list[t
                   w_q: list[torch.Tensor]) -> list:
     """us per layer to read these weights with each projection's tile pattern and nothing else, a launch
     per weight with PDL as in the engine (no data dependencies, no arithmetic to speak of)."""
-    import triton.testing
-
     rows = []
     for name, (o_tile, gu_tile, d_tile, q_tile) in {
         "read, separate kernels' tiles": ((4, 1024, 3), (8, 256, 4), (4, 512, 3), (16, 512, 3)),
@@ -91,8 +90,6 @@ def read_patterns(w_o: list[torch.Tensor], w_gu: list[torch.Tensor], w_d: list[t
 def read_rate(tensors: list[torch.Tensor], *, per_tensor: bool) -> float:
     """Seconds to stream `tensors` through a plain read-and-sum kernel: one launch per tensor (the seams of
     separate kernels, nothing else) or one launch over all of them (contiguous, the best this GPU reads)."""
-    import triton.testing
-
     block, steps = 2048, 8
     flat = [t.view(-1) for t in tensors] if per_tensor else [torch.cat([t.view(-1) for t in tensors])]
     outs = [torch.empty(triton.cdiv(t.numel(), block * steps), device=t.device) for t in flat]
@@ -109,8 +106,6 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    import triton.testing
-
     torch.manual_seed(0)
     dtype, dev = torch.bfloat16, "cuda"
 
