@@ -77,12 +77,13 @@ class MlpTiles:
 
 
 @triton.jit
-def _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr = False):
+def _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS: tl.constexpr, WAIT: tl.constexpr,
+                  NO_WAIT: tl.constexpr):
     """How many leading chunks have all `per_chunk` producer tiles counted. One flag a thread (FLAGS >= the
     CTA's threads): the min then crosses warps through shared memory and every warp gets the same answer.
     With fewer flags each warp would read its own copy, could see another count, and the warps' K loops
     (barriers inside) would fall out of step. Read through L2 (volatile): never a stale L1 line."""
-    if NO_WAIT:  # benchmarks only: what the dependencies cost (the results are wrong)
+    if not WAIT or NO_WAIT:  # an input from an earlier launch; or (benchmarks only) skipping the dependencies
         return chunks
     offs = tl.arange(0, FLAGS)
     seen = tl.load(flags_ptr + offs, mask=offs < chunks, other=per_chunk, volatile=True)
@@ -111,9 +112,7 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
     chunks = K // K_STEP
     done = 0
     while done < chunks:
-        ready = chunks
-        if WAIT:
-            ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, NO_WAIT)
+        ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, WAIT, NO_WAIT)
         # The loads below come after the flag reads that allowed them (loop bounds), and no program reads a
         # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
         # look-ahead loads past `ready` are masked off).
@@ -144,9 +143,7 @@ def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constex
     chunks = K // K_STEP
     done = 0
     while done < chunks:
-        ready = chunks
-        if WAIT:
-            ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, NO_WAIT)
+        ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, WAIT, NO_WAIT)
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
             a = tl.load(src_ptr + k + kk).to(tl.float32)
             acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]
