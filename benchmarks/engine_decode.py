@@ -36,12 +36,15 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "default": None,
     "dot-no-pdl": lambda cfg, n, k, rows, silu: cfg if cfg.fma else dataclasses.replace(cfg, pdl=False),
     "gate-up-pdl": lambda cfg, n, k, rows, silu: dataclasses.replace(cfg, pdl=True) if silu else cfg,
-    # the one-row layer after attention (fused_mlp.py; default: o_proj, MLP and the next qkv in one launch):
+    # one-row layers (default: every layer in one launch, decode_layers.py; else attention, then the rest
+    # of a layer in fused_mlp.py's launches):
     "tail-without-qkv": None,  # o_proj + MLP in one launch, the next qkv separate
     "mlp-launch": None,  # o_proj, the MLP in one launch, qkv
     "separate-launches": None,  # o_proj, gate_up, down, qkv
+    "layer-launches": None,  # a launch per layer for attention and one for the rest (o_proj, MLP, next qkv)
 }
-_LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off"}
+_LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off",
+               "layer-launches": "o+mlp+qkv"}
 _CHOOSE_CONFIG = skinny_gemm.choose_config  # the engine's own, restored before each variant
 
 
@@ -61,7 +64,7 @@ def apply_gemm_variant(name: str, tiles=None) -> None:
     then apply `tiles` (a gemm_tiles rewrite) on top, to compare designs in whole steps. Each call starts
     from the engine's own choices (variants run one after another in one process)."""
     skinny_gemm.choose_config = _CHOOSE_CONFIG
-    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
+    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "layers")
     for rewrite in (GEMM_VARIANTS[name], tiles):
         if rewrite is not None:
             rewrite_gemm_configs(rewrite)
@@ -231,6 +234,11 @@ def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]
         end = e["ts"] + e["dur"]
         added.append((e["name"], max(end - last_end, 0.0)))
         last_end = max(last_end, end)
+    whole = [us for name, us in added if "decode_layers" in name]
+    if whole:  # every layer in one launch (decode_layers.py): the launch, and the rest
+        rest = sum(us for name, us in added if "decode_layers" not in name)
+        return {"all layers (one launch)": (whole[0], whole[0]),
+                "outside layers (LM head, sampler, inputs)": (rest, rest)}
     attention = [i for i, (name, _) in enumerate(added) if "decode_split" in name]
     labels = {len(names): names for names in (LAYER_KERNELS, TAIL_LAYER_KERNELS, ONE_TAIL_LAYER_KERNELS)}
     if len(attention) < 2 or attention[1] - attention[0] not in labels:

@@ -3,10 +3,10 @@ residual, the next layer's qkv), four ways.
 
     python benchmarks/layer_tail.py [--sweep]
 
-`o+mlp+qkv`: one launch (fused_mlp.o_proj_mlp with next_qkv, the engine's default); `o+mlp`: that launch
-without the qkv, then qkv; `mlp`: o_proj, the MLP in one launch, qkv; `off`: four skinny_gemm launches.
-Each runs 36 layers' distinct qwen3-4b weights chained (so weights come from HBM, as in a step) under
-CUDA-graph replay, with PDL as in the engine. First it checks that the fused launches give the separate
+`o+mlp+qkv`: one launch (fused_mlp.o_proj_mlp with next_qkv, the engine's per-layer default); `o+mlp`:
+that launch without the qkv, then qkv; `mlp`: o_proj, the MLP in one launch, qkv; `off`: four skinny_gemm
+launches. Each runs 36 layers' distinct qwen3-4b weights chained (so weights come from HBM, as in a step)
+under CUDA-graph replay, with PDL as in the engine. First it checks that the fused launches give the separate
 launches' bits, also across graph replays (the counters reset). `--sweep` also times tile choices of the
 one launch. Then plain reads of the same weights: one launch over all, a launch per weight, and the
 projections' tile patterns without their math. Prints us per layer and the HBM floor. Needs a GPU.

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto = triton on CUDA, torch on CPU")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                        help="launch step n+1 before step n's tokens reach the host")
+    serve.add_argument("--one-launch-layers", action=argparse.BooleanOptionalAction, default=True,
+                       help="one sequence's decode step through every layer in one launch (Triton kernels); "
+                            "--no-one-launch-layers: a launch per layer, as most engines")
     serve.add_argument("--device", choices=DEVICES, default="auto")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=8000)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             graph=args.graph, kernels=args.kernels, async_scheduling=args.async_scheduling,
             max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
             seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens,
+            one_launch_layers=args.one_launch_layers,
         )
     except (ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

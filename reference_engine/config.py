@@ -66,6 +66,10 @@ class Config:
     graph: str = "eager"  # eager | model | step
     kernels: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     async_scheduling: bool = False
+    # One sequence's decode step through every layer in one launch (Triton kernels, q/k-norm models;
+    # kernels/decode_layers.py). False: a launch per layer, as most engines (an eager step's thread then
+    # launches ~190 kernels and is CPU-bound, the case study's regime).
+    one_launch_layers: bool = True
     max_num_seqs: int = 8
     block_size: int = 16
     num_blocks: int | None = None  # None: every running sequence can reach max_model_len

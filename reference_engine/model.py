@@ -4,7 +4,8 @@ Fast-path layout: q/k/v projections fused into one `qkv` weight and gate/up into
 layer is 4 GEMMs (qkv, o, gate_up, down), each carrying the norm, SiLU or residual add next to it, plus the
 attention kernels of `reference_engine.kernels`. The forward computes the first layer's qkv before the loop
 and each later one with the layer before it (`o_proj_mlp(next_qkv=...)`), so the one-row Triton decode
-layer is two launches.
+layer is two launches; a decode step of one sequence takes `decode_layers` instead, all layers in one launch
+(unless Config.one_launch_layers is off).
 
 Two attention paths share every other op:
 - prefill: each sequence's whole prompt at once; k/v are written to the paged cache and attention runs with
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from reference_engine.config import Config
 from reference_engine.kernels import Kernels, get_kernels, rope_cos_sin
+from reference_engine.kernels.layer_stack import LayerStack
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Qwen3Model:
             config.max_model_len, config.head_dim, config.rope_theta, device=self.device
         )
         self.scale = config.head_dim**-0.5
+        self._stack: tuple[list, LayerStack] | None = None  # (the kv_caches list it was built for, the stack)
 
     # --- construction
     @classmethod
@@ -140,11 +143,18 @@ class Qwen3Model:
         Each norm is folded into the projection that reads it and each residual add into the projection that
         writes it (kernels' norm_linear / o_proj_mlp): a decode layer is the four weight reads plus the
         attention kernel. With Triton at one row that is two launches: attention, then o_proj, the MLP and
-        the next layer's qkv in one (fused_mlp.py).
+        the next layer's qkv in one (fused_mlp.py); a decode step with `one_launch_layers` takes the
+        kernels' decode_layers instead (every layer in one launch at one sequence, decode_layers.py).
         """
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         x = ops.embedding(self.embed, input_ids)
+        if cfg.one_launch_layers and cfg.qk_norm and not meta.is_prefill and not meta.shared_rows:
+            return ops.decode_layers(
+                x, self._layer_stack(kv_caches), meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                self.cos, self.sin, self.scale, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                eps=eps,
+            )
         qkv = ops.norm_linear(x, self.layers[0].input_norm, self.layers[0].qkv, eps)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[index]
@@ -154,6 +164,12 @@ class Qwen3Model:
             x, qkv = ops.o_proj_mlp(attn, layer.o_proj, x, layer.post_norm, layer.gate_up, layer.down, eps,
                                     next_qkv=(after.input_norm, after.qkv) if after is not None else None)
         return x
+
+    def _layer_stack(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> LayerStack:
+        """The layers and this cache as one op argument, built once per cache (the engine keeps its list)."""
+        if self._stack is None or self._stack[0] is not kv_caches:
+            self._stack = (kv_caches, LayerStack.of(self.layers, kv_caches))
+        return self._stack[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, V] of `forward`'s rows (the sampler's softmax and argmax run in fp32)."""

@@ -9,6 +9,7 @@ Keep sizes small: each interpreted launch costs ~0.1-0.5 s on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -362,3 +363,107 @@ def test_step_ops_match_torch(rows, gen):
     assert got.dtype == torch.int64 and torch.equal(got, REF.argmax(logits))
     assert got[0] == 77
     assert not split_merge.counters_for(logits.device, "argmax tickets", 1).any()
+
+
+def _decode_setup(context: int, batch: int = 1):
+    """The tiny model's weights and a random KV cache, and one decode step's metadata at `context` tokens
+    (`batch` sequences over disjoint blocks)."""
+    from reference_engine.config import Config
+    from reference_engine.kv_cache import allocate_kv_cache
+    from reference_engine.model import Qwen3Model
+
+    cfg = Config(preset="tiny", device=DEVICE, kernels="triton", max_model_len=256, seed=3)
+    model = Qwen3Model.random(cfg)
+    caches = allocate_kv_cache(cfg, dtype=model.dtype)
+    for k_cache, v_cache in caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    per_seq = cfg.max_blocks_per_seq
+    blocks = torch.arange(batch * per_seq, dtype=torch.int32, device=DEVICE).reshape(batch, per_seq)
+    last = context - 1
+    slots = blocks[:, last // cfg.block_size].long() * cfg.block_size + last % cfg.block_size
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    x = model.ops.embedding(model.embed, torch.arange(5, 5 + batch, device=DEVICE))
+    return model, caches, x, dict(slot_mapping=slots, block_tables=blocks, seq_lens=seq_lens)
+
+
+@pytest.mark.parametrize("context", [37, 150])  # 150: several attention splits, merged by the last
+def test_decode_layers_in_one_launch(context, monkeypatch):
+    """decode_layers.py: every layer in one launch gives the per-layer launches' result (the same bits in
+    the interpreter with the per-layer attention's tile), writes the same KV-cache slots, matches torch,
+    and leaves its counters at zero for the next launch (graph replays reuse them)."""
+    from reference_engine.kernels import decode_layers, decode_linear, split_merge
+    from reference_engine.kernels.fused_mlp import MlpTiles
+    from reference_engine.kernels.layer_stack import LayerStack
+
+    model, caches, x, meta = _decode_setup(context)
+    cfg = model.config
+    stack = LayerStack.of(model.layers, caches)
+    args = (x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
+            model.scale)
+    heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+    assert decode_layers.supports(x, stack, meta["block_tables"], num_q_heads=cfg.num_heads,
+                                  num_kv_heads=cfg.num_kv_heads)
+    launches, launch = [], decode_layers._launch
+    monkeypatch.setattr(decode_layers, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    with monkeypatch.context() as m:
+        m.setattr(decode_linear, "FUSED_MLP", {"mode": "o+mlp+qkv"})
+        per_layer = TRITON.decode_layers(*args, **heads)
+        per_layer_caches = [(k.clone(), v.clone()) for k, v in caches]
+    assert not launches
+    ref = REF.decode_layers(*args, **heads)
+    for tile in (64, decode_layers._ATTENTION_TILE):
+        monkeypatch.setattr(decode_layers, "_ATTENTION_TILE", tile)
+        for _ in range(2):  # the second launch finds the counters the first one reset
+            one = TRITON.decode_layers(*args, **heads)
+            assert not split_merge.counters_for(x.device, "decode layers", 0).any()
+            assert_close(one, ref, model.dtype, atol=1e-4)
+            if tile == 64 and DEVICE == "cpu":
+                assert torch.equal(one, per_layer)
+            for (k, v), (k0, v0) in zip(caches, per_layer_caches, strict=True):
+                assert_close(k, k0, model.dtype)
+                assert_close(v, v0, model.dtype)
+    assert len(launches) == 4
+    assert_close(per_layer, ref, model.dtype, atol=1e-4)
+    # o_proj K steps narrower than a KV head group: each group's attention counts on several chunks.
+    narrow = decode_layers.decode_layers(*args, **heads, tiles=MlpTiles(o_k=32))
+    assert_close(narrow, ref, model.dtype, atol=1e-4)
+
+
+def test_decode_layers_fall_back_to_a_launch_per_layer():
+    """Two sequences, or layers the stack cannot offset (no q/k norm), run layer by layer: same function."""
+    from reference_engine.kernels import decode_layers
+    from reference_engine.kernels.layer_stack import LayerStack
+
+    model, caches, x, meta = _decode_setup(40, batch=2)
+    cfg = model.config
+    stack = LayerStack.of(model.layers, caches)
+    assert stack.offsets is not None and stack.alignment >= 16
+    assert not decode_layers.supports(x, stack, meta["block_tables"], num_q_heads=cfg.num_heads,
+                                      num_kv_heads=cfg.num_kv_heads)
+    args = (x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
+            model.scale)
+    heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+    assert_close(TRITON.decode_layers(*args, **heads), REF.decode_layers(*args, **heads), model.dtype,
+                 atol=1e-4)
+    llama = [dataclasses.replace(layer, q_norm=None, k_norm=None) for layer in model.layers]
+    assert LayerStack.of(llama, caches).offsets is None
+
+
+def test_model_decode_step_takes_one_launch_unless_configured_per_layer(monkeypatch):
+    """Qwen3Model.forward: a one-sequence decode step with Triton kernels runs every layer in one launch;
+    Config(one_launch_layers=False) keeps a launch per layer (the case study's eager regime). Same result."""
+    from reference_engine.kernels import decode_layers
+    from reference_engine.model import AttentionMetadata
+
+    model, caches, x, meta = _decode_setup(60)
+    launches, launch = [], decode_layers._launch
+    monkeypatch.setattr(decode_layers, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    step = AttentionMetadata(**meta)
+    ids, positions = torch.tensor([5], device=DEVICE), meta["seq_lens"] - 1
+    one = model.forward(ids, positions, caches, step)
+    assert len(launches) == 1
+    per_layer_model = model.with_config(model.config.replace(one_launch_layers=False))
+    per_layer = per_layer_model.forward(ids, positions, caches, step)
+    assert len(launches) == 1
+    assert_close(one, per_layer, model.dtype, atol=1e-4)

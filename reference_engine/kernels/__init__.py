@@ -23,6 +23,10 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
 - decode_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache, slot_mapping,
   block_tables, seq_lens, scale, *, num_q_heads, num_kv_heads, eps) -> [B, Hq, D]: the two above in one
   decode step (position = seq_len - 1); the Triton version is one launch.
+- decode_layers(x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale, *, num_q_heads, num_kv_heads,
+  eps) -> [B, H]: a Qwen3 decode step through every layer of a LayerStack (layer_stack.py): per layer
+  norm_linear (qkv), decode_attention_from_qkv, o_proj_mlp. The Triton version is one launch for one sequence
+  (decode_layers.py).
 
 - decode_inputs(meta, tokens, *, block_size, slot_col, position_col, blocks_col) -> (ids, positions,
   slot_mapping, seq_lens): a decode step's inputs from its metadata rows; embedding(weight, ids);
@@ -56,6 +60,7 @@ class Kernels:
     linear_residual: Callable
     o_proj_mlp: Callable
     decode_attention_from_qkv: Callable
+    decode_layers: Callable
     decode_inputs: Callable
     embedding: Callable
     argmax: Callable
@@ -73,6 +78,7 @@ _TRITON_HOMES = {
     "linear_residual": "decode_linear",
     "o_proj_mlp": "decode_linear",
     "decode_attention_from_qkv": "attention",
+    "decode_layers": "decode_layers",
     "decode_inputs": "step_ops",
     "embedding": "step_ops",
     "argmax": "step_ops",

@@ -71,6 +71,21 @@ def choose_tile(batch: int, block_d: int) -> int:
 
 
 @triton.jit
+def split_bounds(seq_lens_ptr, seq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """(seq_len, start, end, active): this split's token range, in whole BLOCK_N tiles, decided on the device
+    from seq_len, and how many splits hold tokens. Splits past the last token (split >= active, "empty") must
+    exit at once: they draw no ticket and leave no partial. A row with no tokens still has one active split
+    (it writes zeros)."""
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1)
+    active = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    return seq_len, start, end, active
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tickets_ptr, group_tickets_ptr, scale,
@@ -88,22 +103,36 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
-
     # seq_len comes from the step's input metadata, written before the first kernel of this step's PDL
     # chain started, so it is read before waiting on the previous kernel (the qkv projection).
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # This split's token range, in whole BLOCK_N tiles, decided on the device from seq_len. Splits past
-    # the last token ("empty") exit at once: they draw no ticket and leave no partial.
-    tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1)
-    active = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)  # a row with no tokens still writes zeros
+    seq_len, start, end, active = split_bounds(seq_lens_ptr, seq, split, BLOCK_N, NUM_SPLITS)
     if split >= active:
         return
     pdl_prologue(USE_PDL)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    attend_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+        tickets_ptr, group_tickets_ptr, scale, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos,
+        eps, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_bt, stride_ob, stride_oh, seq, kv_head, split, tl.num_programs(1), seq_len, start, end, active,
+        GROUP, HEAD_DIM, BLOCK_SIZE, NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, FROM_QKV,
+        NUM_Q_HEADS, GROUP_P2, MERGE_GROUP, NUM_GROUPS,
+    )
 
+
+@triton.jit
+def attend_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    tickets_ptr, group_tickets_ptr, scale, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos,
+    eps, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_ob, stride_oh, seq, kv_head, split, num_kv_heads, seq_len, start, end, active,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
+    MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr,
+):
+    """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
+    program that stored the group's final output (the only split, or the last to arrive, which merged),
+    else 0: decode_layers.py counts that output done for its consumers."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -174,7 +203,9 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
+    final = 0
     if (NUM_SPLITS == 1) or (active == 1):
+        final = 1
         # One split holds every token (or the only one has tokens): normalise and write, no merge.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -195,6 +226,7 @@ def _decode_split_kernel(
                 merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
                                kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
                 tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
+                final = 1
         else:
             # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the
             # run's first split, and the last run to finish merges those (16 -> 6 round trips at 32 splits).
@@ -213,6 +245,8 @@ def _decode_split_kernel(
                                    tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
                                    NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
                     tl.atomic_xchg(ticket_ptr, 0)
+                    final = 1
+    return final
 
 
 def paged_decode_attention(

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 from reference_engine.kernels import elementwise, fused_mlp, skinny_gemm
 
-# How a one-row layer tail runs (fused_mlp.py): "o+mlp+qkv" one launch with the next layer's qkv, "o+mlp"
-# one launch and the next qkv separately, "mlp" o_proj then the MLP in one launch, "off" all separate.
-# Benchmarks switch it to compare the seams in whole steps.
-FUSED_MLP = {"mode": "o+mlp+qkv"}
+# How one-row decode layers run: "layers" every layer in one launch (decode_layers.py); else a launch per
+# layer for attention and, for the rest (fused_mlp.py), "o+mlp+qkv" one launch with the next layer's qkv,
+# "o+mlp" one launch and the next qkv separately, "mlp" o_proj then the MLP in one launch, "off" all
+# separate. Benchmarks switch it to compare the seams in whole steps.
+FUSED_MLP = {"mode": "layers"}
 
 
 def norm_linear(
@@ -46,7 +47,8 @@ def o_proj_mlp(
     attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
     w_down: torch.Tensor, eps: float, *, next_qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    mode = FUSED_MLP["mode"]
+    # "layers": decode_layers declined these layers (e.g. no q/k norm), so they come one by one
+    mode = "o+mlp+qkv" if FUSED_MLP["mode"] == "layers" else FUSED_MLP["mode"]
     one_launch = mode.startswith("o+mlp") and attn.is_contiguous()
     with_qkv = next_qkv if mode == "o+mlp+qkv" else None
     if one_launch and fused_mlp.supports(x, w_gate_up, w_down, w_o, with_qkv[1] if with_qkv else None):

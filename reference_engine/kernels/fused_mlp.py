@@ -100,11 +100,12 @@ def _count_done(flag_ptr):
 @triton.jit
 def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
                N: tl.constexpr, K_STEP: tl.constexpr, STAGES: tl.constexpr, SILU: tl.constexpr,
-               WAIT: tl.constexpr, PER_CHUNK: tl.constexpr, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+               WAIT: tl.constexpr, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """rmsnorm(src) @ w.T for the N weight rows `w_rows` ([N, K_STEP] pointers at K offset 0), or with SILU
     silu(that) * (the same with the rows up_offset further): skinny_gemm's one-row FMA tile, the same sums
     in the same order. With WAIT the K loop walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills
-    (PER_CHUNK producer tiles a chunk); the norm's 1/rms is applied at the end, so it needs no pass."""
+    (per_chunk producer tiles a chunk; 0: src is complete); the norm's 1/rms is applied at the end, so it
+    needs no pass."""
     kk = tl.arange(0, K_STEP)
     acc = tl.zeros((N, K_STEP), dtype=tl.float32)
     acc_up = tl.zeros((N, K_STEP), dtype=tl.float32)
@@ -112,7 +113,7 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
     chunks = K // K_STEP
     done = 0
     while done < chunks:
-        ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, WAIT, NO_WAIT)
+        ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
         # The loads below come after the flag reads that allowed them (loop bounds), and no program reads a
         # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
         # look-ahead loads past `ready` are masked off).
@@ -133,7 +134,7 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
 
 @triton.jit
 def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constexpr,
-                   K_STEP: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, PER_CHUNK: tl.constexpr,
+                   K_STEP: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, per_chunk,
                    FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """res[col] + src @ w.T for the N weight rows `w_cols` ([N, K_STEP] pointers at K offset 0, one per
     output column col): skinny_gemm's one-row FMA tile with its residual epilogue, the same sums in the same
@@ -143,7 +144,7 @@ def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constex
     chunks = K // K_STEP
     done = 0
     while done < chunks:
-        ready = _chunks_ready(flags_ptr, chunks, PER_CHUNK, FLAGS, WAIT, NO_WAIT)
+        ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
             a = tl.load(src_ptr + k + kk).to(tl.float32)
             acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]

@@ -7,8 +7,12 @@ Numerics follow Hugging Face Qwen3: reductions in fp32, results cast back to the
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
+
+from reference_engine.kernels.layer_stack import LayerStack, run_layers
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -218,3 +222,14 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: the first index of each row's maximum (greedy sampling)."""
     return logits.argmax(dim=-1)
+
+
+def decode_layers(
+    x: torch.Tensor, stack: LayerStack, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *, num_q_heads: int,
+    num_kv_heads: int, eps: float,
+) -> torch.Tensor:
+    """A Qwen3 decode step through every layer of `stack`: per layer norm_linear (qkv),
+    decode_attention_from_qkv and o_proj_mlp. Returns the residual stream [B, H] after the last layer."""
+    return run_layers(sys.modules[__name__], x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale,
+                      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)

@@ -1,0 +1,302 @@
+"""A one-row Qwen3 decode step through every layer in one launch: qkv, attention, o_proj, MLP, 36 times.
+
+fused_mlp.py made a layer two launches (attention, then the rest). Here the whole stack is one grid: no
+launch boundary drains the GPU between layers (with the dependencies skipped, the weights stream at 46 us a
+qwen3-4b layer against 51.6 at a launch a layer), the step graph holds 8 kernels instead of 80, and an
+eager step launches 36 x 2 fewer. Each program draws its role from a dispatch counter (in the order programs
+start), so it only waits for programs already running: no deadlock, whatever fits on the GPU. Per layer:
+
+- qkv tiles: rmsnorm(x_l) @ w_qkv.T (Q_N rows each), walking x_l chunk by chunk as the previous layer's down
+  tiles fill it; each counts on the flag of the KV head its rows belong to (q rows of its group, k or v);
+- attention splits (attention.py's `attend_split`: q/k norm, RoPE, cache write, flash-decoding with the merge
+  in the last split): each waits for its KV head's qkv rows; the program that stores the head group's output
+  counts on the flag of its o_proj chunk;
+- o_proj, gate_up + SiLU and down tiles as in fused_mlp.py, chained through per-chunk flags; down writes
+  x_{l+1} and counts on the next layer's input flags.
+
+Every output is one program's K loop in order, as in the separate kernels: the result does not depend on
+timing. Its GEMM sums are the per-layer launches'; attention's differ by rounding on the GPU (4 warps here,
+8 there; with the same 64-token tile the interpreter gives the same bits). Each layer has its own flags and
+activation buffers, so no SM's L1 can hold a line of an earlier layer's buffer at the same address. The last
+down tile of a layer resets that layer's flags (every reader of them has finished by then), the last of the
+last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
+launches must not run at once on one device (their programs would take each other's roles).
+
+On the H200 the launch is no faster than two a layer (64.0 against 64.2 us a layer, docs/benchmarks.md):
+what the boundaries cost moved into waiting. Attention is a chain of dependent memory round trips with
+nothing to stream beside it (o_proj not waiting for it: 54.5 us), and every phase edge leaves the next
+phase's last chunk to load after its producer finishes (no waits at all: 46).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from reference_engine.kernels import attention, decode_linear, fused_mlp
+from reference_engine.kernels.attention import attend_split, split_bounds
+from reference_engine.kernels.fused_mlp import (
+    MlpTiles,
+    _chunks_ready,
+    _count_done,
+    _norm_rows,
+    _residual_cols,
+)
+from reference_engine.kernels.layer_stack import KINDS, LayerStack, run_layers
+from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
+from reference_engine.kernels.split_merge import counters_for, tickets_for
+
+# Attention tokens per loop trip: at 64 (the per-layer kernel's) the launch needs 185 registers a thread (2
+# programs an SM), at 32 168 (3, as the GEMM phases alone; sm_90, triton 3.6).
+_ATTENTION_TILE = 32
+# Per layer: input, qkv (per KV head), attention (per o_proj chunk), h and act flags, the layer-done ticket.
+_FLAG_SETS = tl.constexpr(6)
+_TILES = MlpTiles()
+# Benchmark switch (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong results:
+# what that dependency costs).
+OPTIONS = {"skip": 0}
+
+
+@triton.jit
+def _at(base_ptr, table_ptr, KIND: tl.constexpr, layers):
+    """This layer's tensor of KIND: layer 0's pointer plus the stack's offset (table_ptr points at the layer's
+    column; offsets are multiples of 16 elements, `supports` checks: the hint keeps the loads vectorised)."""
+    return base_ptr + tl.multiple_of(tl.load(table_ptr + KIND * layers), 16)
+
+
+@triton.jit
+def _wait_for(flag_ptr, count, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+    """Spin until the flag reaches `count` (every warp sees the same reads: see _chunks_ready)."""
+    ready = 0
+    while ready < 1:
+        ready = _chunks_ready(flag_ptr, 1, count, FLAGS, True, NO_WAIT)
+
+
+@triton.jit
+def _layer_done(sync_ptr, flags_ptr, programs, last_layer, FLAGS: tl.constexpr):
+    """Called by each down tile of a layer after its output is counted: the last of them zeroes the layer's
+    flags (its readers all finished: each down tile read every act chunk, each gate_up tile every h chunk, and
+    so on back to the qkv tiles) and, in the last layer, the dispatch counter."""
+    ticket = flags_ptr + (_FLAG_SETS - 1) * FLAGS
+    tl.debug_barrier()
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        offs = tl.arange(0, FLAGS)
+        zeros = tl.zeros((FLAGS,), tl.int32)
+        for s in tl.static_range(_FLAG_SETS - 1):
+            tl.store(flags_ptr + s * FLAGS + offs, zeros)
+        tl.atomic_xchg(ticket, 0)
+        if last_layer:
+            tl.atomic_xchg(sync_ptr, 0)
+
+
+@triton.jit
+def _decode_layers_kernel(
+    x0_ptr, xs_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, sync_ptr, offsets_ptr,
+    in_norm0_ptr, wqkv0_ptr, q_norm0_ptr, k_norm0_ptr, wo0_ptr, post_norm0_ptr, wgu0_ptr, wd0_ptr,
+    k_cache0_ptr, v_cache0_ptr,
+    cos_ptr, sin_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, tickets_ptr,
+    group_tickets_ptr, scale, eps, stride_cos,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    LAYERS, H, INTER, QKV, A,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    O_N: tl.constexpr, O_K: tl.constexpr, O_STAGES: tl.constexpr,
+    GU_N: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
+    D_N: tl.constexpr, D_K: tl.constexpr, D_STAGES: tl.constexpr,
+    Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
+    FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr, SKIP: tl.constexpr,
+    ATT_CHUNKS: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
+    vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    n_q = tl.cdiv(QKV, Q_N)
+    n_att = NUM_KV_HEADS * NUM_SPLITS
+    n_o = tl.cdiv(H, O_N)
+    n_gu = tl.cdiv(INTER, GU_N)
+    n_d = tl.cdiv(H, D_N)
+    per_layer = n_q + n_att + n_o + n_gu + n_d
+    layer = vid // per_layer
+    r = vid % per_layer
+    flags = sync_ptr + 2 + layer * (_FLAG_SETS * FLAGS)
+    in_flags = flags
+    qkv_flags = flags + FLAGS
+    attn_flags = flags + 2 * FLAGS
+    h_flags = flags + 3 * FLAGS
+    act_flags = flags + 4 * FLAGS
+    x_ptr = x0_ptr  # this layer's input: the embedding, or the previous layer's output
+    if layer > 0:
+        x_ptr = xs_ptr + (layer - 1) * H
+    qkv_l = qkv_ptr + layer * QKV
+    attn_l = attn_ptr + layer * A
+    h_l = h_ptr + layer * H
+    act_l = act_ptr + layer * INTER
+    table = offsets_ptr + layer
+    if r < n_q:  # qkv = rmsnorm(x_l) @ w_qkv.T for Q_N rows
+        rn = r * Q_N + tl.arange(0, Q_N)
+        rows = _at(wqkv0_ptr, table, 1, LAYERS) + tl.minimum(rn, QKV - 1).to(tl.int64)[:, None] * H
+        rows += tl.arange(0, Q_K)[None, :]
+        per_chunk = Q_K // D_N
+        if layer == 0:
+            per_chunk = 0  # the embedding is complete
+        y = _norm_rows(x_ptr, _at(in_norm0_ptr, table, 0, LAYERS), rows, 0, in_flags, H, eps, Q_N, Q_K,
+                       Q_STAGES, False, True, per_chunk, FLAGS, NO_WAIT)
+        tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
+        # The KV head these rows feed: q rows in head-group order, then the k heads, then the v heads.
+        row = r * Q_N
+        q_rows = NUM_Q_HEADS * HEAD_DIM
+        kv_rows = NUM_KV_HEADS * HEAD_DIM
+        head = tl.where(row < q_rows, row // (GROUP * HEAD_DIM),
+                        tl.where(row < q_rows + kv_rows, (row - q_rows) // HEAD_DIM,
+                                 (row - q_rows - kv_rows) // HEAD_DIM))
+        _count_done(qkv_flags + head)
+    elif r < n_q + n_att:  # one split of one KV head's attention
+        kv_head = (r - n_q) // NUM_SPLITS
+        split = (r - n_q) % NUM_SPLITS
+        seq_len, start, end, active = split_bounds(seq_lens_ptr, 0, split, BLOCK_N, NUM_SPLITS)
+        if split < active:
+            k_l = _at(k_cache0_ptr, table, 8, LAYERS)
+            v_l = _at(v_cache0_ptr, table, 9, LAYERS)
+            _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
+            final = attend_split(
+                qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, tickets_ptr,
+                group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS),
+                _at(k_norm0_ptr, table, 3, LAYERS), cos_ptr, sin_ptr, slot_ptr, stride_cos, eps, QKV,
+                HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, 0, A, HEAD_DIM, 0,
+                kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
+                NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
+                MERGE_GROUP, NUM_GROUPS,
+            )
+            if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
+                for i in tl.static_range(ATT_CHUNKS):
+                    _count_done(attn_flags + kv_head * GROUP * HEAD_DIM // O_K + i)
+    elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns
+        col = (r - n_q - n_att) * O_N + tl.arange(0, O_N)
+        w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
+        w_rows += tl.arange(0, O_K)[None, :]
+        attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
+        if SKIP & 2:
+            attn_chunk = 0  # diagnostics: o_proj does not wait for attention (wrong results)
+        h = _residual_cols(attn_l, w_rows, x_ptr, col, attn_flags, A, H, O_N, O_K,
+                           O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
+        tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
+        _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
+    elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
+        rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
+        rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
+        rows += tl.arange(0, GU_K)[None, :]
+        act = _norm_rows(h_l, _at(post_norm0_ptr, table, 5, LAYERS), rows, INTER * H, h_flags, H, eps, GU_N,
+                         GU_K, GU_STAGES,
+                         True, True, GU_K // O_N, FLAGS, NO_WAIT)
+        tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
+        _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
+    else:  # x_{l+1} = h + act @ w_down.T for D_N columns
+        tile = r - n_q - n_att - n_o - n_gu
+        col = tile * D_N + tl.arange(0, D_N)
+        w_cols = _at(wd0_ptr, table, 7, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * INTER
+        w_cols += tl.arange(0, D_K)[None, :]
+        out = _residual_cols(act_l, w_cols, h_l, col, act_flags, INTER, H, D_N, D_K, D_STAGES, True,
+                             D_K // GU_N, FLAGS, NO_WAIT)
+        tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
+        if layer + 1 < LAYERS:
+            _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
+        _layer_done(sync_ptr, flags, n_d, layer == LAYERS - 1, FLAGS)
+
+
+def supports(x: torch.Tensor, stack: LayerStack, block_tables: torch.Tensor, *,
+             num_q_heads: int, num_kv_heads: int, tiles: MlpTiles = _TILES) -> bool:
+    """One sequence, one contiguous row, Qwen3 layers (q/k norm) whose tensors the stack can offset, and
+    tiles that divide the shapes: fused_mlp's, qkv tiles inside one head, o_proj chunks of whole KV head
+    groups or parts of one."""
+    layer = stack.layers[0]
+    hidden, inter, attn_dim = x.shape[-1], layer.down.shape[1], layer.o_proj.shape[1]
+    head_dim = attn_dim // num_q_heads
+    group_width = num_q_heads // num_kv_heads * head_dim
+    t = tiles.fit(hidden, inter, attn_dim)
+    contiguous = all(getattr(layer, kind).is_contiguous() for kind in ("qkv", "o_proj", "gate_up", "down"))
+    return (stack.offsets is not None and stack.alignment >= 16 and block_tables.shape[0] == 1 and contiguous
+            and head_dim == triton.next_power_of_2(head_dim) and head_dim % t.q_n == 0
+            and (t.o_k % group_width == 0 or group_width % t.o_k == 0)
+            and fused_mlp.supports(x, layer.gate_up, layer.down, layer.o_proj, layer.qkv, tiles=tiles))
+
+
+@functools.cache
+def _triton_ops():
+    from reference_engine.kernels import get_kernels  # at call time: this module is one of its homes
+
+    return get_kernels("triton")
+
+
+def decode_layers(
+    x: torch.Tensor, stack: LayerStack, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *, num_q_heads: int,
+    num_kv_heads: int, eps: float, tiles: MlpTiles = _TILES,
+) -> torch.Tensor:
+    """Same contract as torch_ref.decode_layers. One launch for one sequence (decode_linear.FUSED_MLP's
+    mode "layers", the default); otherwise the layers one by one with the other Triton ops."""
+    heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    one_launch = decode_linear.FUSED_MLP["mode"] == "layers"
+    if not (one_launch and supports(x, stack, block_tables, **heads, tiles=tiles)):
+        return run_layers(_triton_ops(), x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale,
+                          **heads, eps=eps)
+    return _launch(x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale, eps=eps, tiles=tiles,
+                   **heads)
+
+
+def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin, scale, *, num_q_heads,
+            num_kv_heads, eps, tiles: MlpTiles) -> torch.Tensor:
+    layer = stack.layers[0]
+    layers = len(stack.layers)
+    hidden, inter, attn_dim = x.shape[-1], layer.down.shape[1], layer.o_proj.shape[1]
+    qkv_size = layer.qkv.shape[0]
+    head_dim = attn_dim // num_q_heads
+    group = num_q_heads // num_kv_heads
+    t = tiles.fit(hidden, inter, attn_dim)
+    k_cache, v_cache = stack.kv_caches[0]
+    assert k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride()
+    assert slot_mapping.is_contiguous()
+    block_size = k_cache.shape[1]
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = _ATTENTION_TILE
+    num_splits = attention.choose_num_splits(1, num_kv_heads, block_tables.shape[1] * block_size, x.device,
+                                             tile=block_n)
+    flags = max(triton.next_power_of_2(max(hidden // t.gu_k, inter // t.d_k, hidden // t.q_k,
+                                           attn_dim // t.o_k, num_kv_heads)), 32 * t.num_warps)
+    sync = counters_for(x.device, "decode layers", 2 + layers * _FLAG_SETS.value * flags)
+    tickets = tickets_for(x.device, num_kv_heads)
+    num_groups = triton.cdiv(num_splits, attention._MERGE_GROUP)
+    group_tickets = counters_for(x.device, "attention run tickets", num_kv_heads * num_groups)
+    part_acc = torch.empty(num_q_heads * num_splits, block_d, dtype=torch.float32, device=x.device)
+    part_ml = torch.empty(num_q_heads * num_splits, 2, dtype=torch.float32, device=x.device)
+    xs = torch.empty(layers, hidden, dtype=x.dtype, device=x.device)
+    qkv = torch.empty(layers, qkv_size, dtype=x.dtype, device=x.device)
+    attn = torch.empty(layers, attn_dim, dtype=x.dtype, device=x.device)
+    h = torch.empty(layers, hidden, dtype=x.dtype, device=x.device)
+    act = torch.empty(layers, inter, dtype=x.dtype, device=x.device)
+    use_pdl, pdl = launch_options(x)
+    dot_fp32 = attention.DOT_FP32_DEFAULT or INTERPRETED or x.dtype == torch.float32
+    per_layer = (triton.cdiv(qkv_size, t.q_n) + num_kv_heads * num_splits + triton.cdiv(hidden, t.o_n)
+                 + triton.cdiv(inter, t.gu_n) + triton.cdiv(hidden, t.d_n))
+    _decode_layers_kernel[(layers * per_layer,)](
+        x, xs, qkv, attn, h, act, sync, stack.offsets,
+        *(stack.first(kind) for kind in KINDS),
+        cos, sin, slot_mapping, block_tables, seq_lens, part_acc, part_ml, tickets, group_tickets, scale, eps,
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        layers, hidden, inter, qkv_size, attn_dim,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_P2=triton.next_power_of_2(group),
+        MERGE_GROUP=attention._MERGE_GROUP, NUM_GROUPS=num_groups,
+        O_N=t.o_n, O_K=t.o_k, O_STAGES=t.o_stages, GU_N=t.gu_n, GU_K=t.gu_k, GU_STAGES=t.gu_stages,
+        D_N=t.d_n, D_K=t.d_k, D_STAGES=t.d_stages, Q_N=t.q_n, Q_K=t.q_k, Q_STAGES=t.q_stages,
+        FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
+        ATT_CHUNKS=max(group * head_dim // t.o_k, 1), num_warps=t.num_warps, **pdl,
+    )
+    return xs[layers - 1 :]
