@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_decode import copy_bandwidth  # noqa: E402  (this directory is on sys.path when run as a script)
+
 from reference_engine.config import Config  # noqa: E402
 from reference_engine.kernels import decode_layers, decode_linear, torch_ref  # noqa: E402
 from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
@@ -80,21 +82,6 @@ def time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def copy_bandwidth() -> float:
-    """bytes/s of a device-to-device copy of 1 GiB (read + write counted once each)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,7 +99,7 @@ def main() -> None:
         v_cache.normal_()
     stack = LayerStack.of(model.layers, caches)
     layer_bytes = (model.weight_bytes_per_step() - model.lm_head.numel() * 2 - model.final_norm.numel() * 2)
-    floor_us = layer_bytes / copy_bandwidth() * 1e6 / cfg.num_layers
+    floor_us = layer_bytes / copy_bandwidth("cuda") * 1e6 / cfg.num_layers
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(1, cfg.hidden_size, generator=gen, device="cuda") * 0.02).to(model.dtype)
     rows = []
