@@ -3,10 +3,10 @@
     python benchmarks/decode_layers.py [--contexts 170,1024] [--replays 200]
 
 Ways (each the residual stream after the last layer from the embedding, as `Qwen3Model.forward` runs it):
-`layers` one launch (decode_layers.py, the engine's default); `layers-tile64` with the per-layer attention's
-64-token tile; `layers-no-wait` without its dependencies and `layers-skip-attention` without o_proj's wait
-for attention (wrong results: what the waits cost); `o+mlp+qkv` two launches a layer (attention, then
-fused_mlp's launch), the default before.
+`layers` one launch (decode_layers.py, the engine's default); `layers-tile64` / `-tile16` with 64- / 16-token
+attention tiles (64: the per-layer kernel's); `layers-no-wait` without its dependencies and
+`layers-skip-attention` without o_proj's wait for attention (wrong results: what the waits cost);
+`o+mlp+qkv` two launches a layer (attention, then fused_mlp's launch), the default before.
 First checks that graph replays repeat the eager bits (the counters reset) and that the ways are about as
 close to the torch reference as the per-layer launches, then times CUDA-graph replays. Prints us per layer
 against the floor (the layers' weight bytes at the copy bandwidth measured here). Needs a GPU.
@@ -31,7 +31,7 @@ from reference_engine.kernels.layer_stack import LayerStack  # noqa: E402
 from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
 from reference_engine.model import Qwen3Model  # noqa: E402
 
-WAYS = ("layers", "layers-tile64", "layers-skip-attention", "layers-no-wait", "o+mlp+qkv")
+WAYS = ("layers", "layers-tile16", "layers-tile64", "layers-skip-attention", "layers-no-wait", "o+mlp+qkv")
 WRONG = ("layers-no-wait", "layers-skip-attention")  # dependencies skipped
 
 
@@ -39,7 +39,7 @@ def way_runner(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, 
     """A no-argument call computing the layers `way`."""
     cfg = model.config
     tiles = MlpTiles(no_wait=way == "layers-no-wait")
-    tile = 64 if way == "layers-tile64" else decode_layers._ATTENTION_TILE
+    tile = {"layers-tile64": 64, "layers-tile16": 16}.get(way, decode_layers._ATTENTION_TILE)
     options = dict(skip=2 if way == "layers-skip-attention" else 0)
 
     def run() -> torch.Tensor:
