@@ -22,8 +22,9 @@ down tile of a layer resets that layer's flags (every reader of them has finishe
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles).
 
-On the H200 the launch is no faster than two a layer (64.0 against 64.2 us a layer, docs/benchmarks.md):
-what the boundaries cost moved into waiting. Attention is a chain of dependent memory round trips with
+On the H200 the launch is no faster on the GPU than two a layer (64.0 against 64.2 us a layer,
+docs/benchmarks.md), but an eager step drops from 10.7 to 3.1 ms (it was CPU-bound on its launches): what the
+boundaries cost the GPU moved into waiting. Attention is a chain of dependent memory round trips with
 nothing to stream beside it (o_proj not waiting for it: 54.5 us), and every phase edge leaves the next
 phase's last chunk to load after its producer finishes (no waits at all: 46).
 """
