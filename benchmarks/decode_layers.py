@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_decode import copy_bandwidth  # noqa: E402  (this directory is on sys.path when run as a script)
 
 from reference_engine.config import Config  # noqa: E402
-from reference_engine.kernels import decode_layers, decode_linear, torch_ref  # noqa: E402
+from reference_engine.kernels import decode_layers, torch_ref  # noqa: E402
 from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
-from reference_engine.kernels.layer_stack import LayerStack  # noqa: E402
+from reference_engine.kernels.layer_stack import LayerStack, run_layers  # noqa: E402
 from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
 from reference_engine.model import Qwen3Model  # noqa: E402
 
@@ -43,19 +43,18 @@ def way_runner(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, 
     options = dict(skip=2 if way == "layers-skip-attention" else 0)
 
     def run() -> torch.Tensor:
-        decode_linear.FUSED_MLP["mode"] = "o+mlp+qkv" if way == "o+mlp+qkv" else "layers"
+        args = (x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
+                model.scale)
+        heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+        if way == "o+mlp+qkv":  # the Triton ops layer by layer (Config.one_launch_layers=False)
+            return run_layers(decode_layers._triton_ops(), *args, **heads)
         saved, decode_layers._ATTENTION_TILE = decode_layers._ATTENTION_TILE, tile
         decode_layers.OPTIONS.update(options)
         try:
-            return decode_layers.decode_layers(
-                x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
-                model.scale, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
-                tiles=tiles,
-            )
+            return decode_layers.decode_layers(*args, **heads, tiles=tiles)
         finally:
             decode_layers._ATTENTION_TILE = saved
             decode_layers.OPTIONS.update(skip=0)
-            decode_linear.FUSED_MLP["mode"] = "layers"
 
     return run
 

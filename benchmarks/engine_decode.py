@@ -59,15 +59,17 @@ def gemm_tiles(path: Path):
     return lambda cfg, n, k, rows, silu: table.get((n, k, rows, silu)) or cfg
 
 
-def apply_gemm_variant(name: str, tiles=None) -> None:
+def apply_gemm_variant(name: str, tiles=None) -> dict:
     """Benchmark-only: rewrite the engine's decode GEMM tiles (or how the layer after attention launches),
     then apply `tiles` (a gemm_tiles rewrite) on top, to compare designs in whole steps. Each call starts
-    from the engine's own choices (variants run one after another in one process)."""
+    from the engine's own choices (variants run one after another in one process). Returns the Config
+    changes the variant needs (the layer-tail variants launch layers one by one)."""
     skinny_gemm.choose_config = _CHOOSE_CONFIG
-    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "layers")
+    decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
     for rewrite in (GEMM_VARIANTS[name], tiles):
         if rewrite is not None:
             rewrite_gemm_configs(rewrite)
+    return dict(one_launch_layers=name not in _LAYER_TAIL)
 
 
 def rewrite_gemm_configs(rewrite) -> None:
@@ -393,9 +395,8 @@ def main() -> None:
         choices = ", ".join(sorted(GEMM_VARIANTS))
         parser.error(f"unknown --gemm-variant {', '.join(unknown)}: choose from {choices}")
     tiles = gemm_tiles(args.gemm_tiles) if args.gemm_tiles else None
-    apply_gemm_variant(variants[0], tiles)
-
-    base = Config(preset=args.preset, max_model_len=args.max_model_len)
+    first_changes = apply_gemm_variant(variants[0], tiles)
+    base = Config(preset=args.preset, max_model_len=args.max_model_len, **first_changes)
     cuda = base.device == "cuda"
     out = {
         "preset": args.preset,
@@ -429,10 +430,11 @@ def main() -> None:
     if not args.no_bench:
         for variant, kernels, mode in itertools.product(variants, args.kernels.split(","),
                                                         args.modes.split(",")):
-            apply_gemm_variant(variant, tiles)
+            changes = apply_gemm_variant(variant, tiles)
             graph, _, overlap = mode.partition("-")
             label = mode if variant == "default" else f"{mode}/{variant}"
-            engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap))
+            engine = engine_for(model, base, graph=graph, kernels=kernels, async_scheduling=bool(overlap),
+                                **changes)
             for batch in map(int, args.batches.split(",")):
                 r = time_decode(engine, batch, args.steps, args.prompt_len)
                 rows.append(dict(kernels=kernels, graph=label, batch=batch, **r))

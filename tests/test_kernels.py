@@ -392,9 +392,9 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
     """decode_layers.py: every layer in one launch gives the per-layer launches' result (the same bits in
     the interpreter with the per-layer attention's tile), writes the same KV-cache slots, matches torch,
     and leaves its counters at zero for the next launch (graph replays reuse them)."""
-    from reference_engine.kernels import decode_layers, decode_linear, split_merge
+    from reference_engine.kernels import decode_layers, split_merge
     from reference_engine.kernels.fused_mlp import MlpTiles
-    from reference_engine.kernels.layer_stack import LayerStack
+    from reference_engine.kernels.layer_stack import LayerStack, run_layers
 
     model, caches, x, meta = _decode_setup(context)
     cfg = model.config
@@ -406,10 +406,8 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
                                   num_kv_heads=cfg.num_kv_heads)
     launches, launch = [], decode_layers._launch
     monkeypatch.setattr(decode_layers, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
-    with monkeypatch.context() as m:
-        m.setattr(decode_linear, "FUSED_MLP", {"mode": "o+mlp+qkv"})
-        per_layer = TRITON.decode_layers(*args, **heads)
-        per_layer_caches = [(k.clone(), v.clone()) for k, v in caches]
+    per_layer = run_layers(TRITON, *args, **heads)
+    per_layer_caches = [(k.clone(), v.clone()) for k, v in caches]
     assert not launches
     ref = REF.decode_layers(*args, **heads)
     for tile in (64, decode_layers._ATTENTION_TILE):

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference_engine.kernels import attention, decode_linear, fused_mlp
+from reference_engine.kernels import attention, fused_mlp
 from reference_engine.kernels.attention import attend_split, split_bounds
 from reference_engine.kernels.fused_mlp import (
     MlpTiles,
@@ -239,11 +239,10 @@ def decode_layers(
     seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *, num_q_heads: int,
     num_kv_heads: int, eps: float, tiles: MlpTiles = _TILES,
 ) -> torch.Tensor:
-    """Same contract as torch_ref.decode_layers. One launch for one sequence (decode_linear.FUSED_MLP's
-    mode "layers", the default); otherwise the layers one by one with the other Triton ops."""
+    """Same contract as torch_ref.decode_layers. One launch for one sequence; otherwise the layers one by
+    one with the other Triton ops."""
     heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
-    one_launch = decode_linear.FUSED_MLP["mode"] == "layers"
-    if not (one_launch and supports(x, stack, block_tables, **heads, tiles=tiles)):
+    if not supports(x, stack, block_tables, **heads, tiles=tiles):
         return run_layers(_triton_ops(), x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale,
                           **heads, eps=eps)
     return _launch(x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale, eps=eps, tiles=tiles,

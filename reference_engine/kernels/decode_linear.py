@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from reference_engine.kernels import elementwise, fused_mlp, skinny_gemm
 
-# How one-row decode layers run: "layers" every layer in one launch (decode_layers.py); else a launch per
-# layer for attention and, for the rest (fused_mlp.py), "o+mlp+qkv" one launch with the next layer's qkv,
-# "o+mlp" one launch and the next qkv separately, "mlp" o_proj then the MLP in one launch, "off" all
-# separate. Benchmarks switch it to compare the seams in whole steps.
-FUSED_MLP = {"mode": "layers"}
+# How a one-row layer tail runs when layers launch one by one (fused_mlp.py): "o+mlp+qkv" one launch with
+# the next layer's qkv, "o+mlp" one launch and the next qkv separately, "mlp" o_proj then the MLP in one
+# launch, "off" all separate. Benchmarks switch it to compare the seams in whole steps; whether a step runs
+# its layers one by one at all is Config.one_launch_layers.
+FUSED_MLP = {"mode": "o+mlp+qkv"}
 
 
 def norm_linear(
@@ -47,8 +47,7 @@ def o_proj_mlp(
     attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, w_gate_up: torch.Tensor,
     w_down: torch.Tensor, eps: float, *, next_qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # "layers": decode_layers declined these layers (e.g. no q/k norm), so they come one by one
-    mode = "o+mlp+qkv" if FUSED_MLP["mode"] == "layers" else FUSED_MLP["mode"]
+    mode = FUSED_MLP["mode"]
     one_launch = mode.startswith("o+mlp") and attn.is_contiguous()
     with_qkv = next_qkv if mode == "o+mlp+qkv" else None
     if one_launch and fused_mlp.supports(x, w_gate_up, w_down, w_o, with_qkv[1] if with_qkv else None):
