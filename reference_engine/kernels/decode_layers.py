@@ -48,7 +48,7 @@ from reference_engine.kernels.fused_mlp import (
 )
 from reference_engine.kernels.layer_stack import KINDS, LayerStack, run_layers
 from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
-from reference_engine.kernels.split_merge import counters_for, tickets_for
+from reference_engine.kernels.split_merge import counters_for, last_to_arrive, tickets_for
 
 # Attention tokens per loop trip: at 64 (the per-layer kernel's) the launch needs 185 registers a thread (2
 # programs an SM), at 32 168 (3, as the GEMM phases alone; sm_90, triton 3.6); 16 is slower again (H200:
@@ -83,8 +83,7 @@ def _layer_done(sync_ptr, flags_ptr, programs, last_layer, FLAGS: tl.constexpr):
     flags (its readers all finished: each down tile read every act chunk, each gate_up tile every h chunk, and
     so on back to the qkv tiles) and, in the last layer, the dispatch counter."""
     ticket = flags_ptr + (_FLAG_SETS - 1) * FLAGS
-    tl.debug_barrier()
-    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == programs - 1:
+    if last_to_arrive(ticket, programs):
         offs = tl.arange(0, FLAGS)
         zeros = tl.zeros((FLAGS,), tl.int32)
         for s in tl.static_range(_FLAG_SETS - 1):

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from reference_engine.kernels.pdl import launch_options, pdl_prologue
-from reference_engine.kernels.split_merge import counters_for
+from reference_engine.kernels.split_merge import counters_for, last_to_arrive
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,7 @@ def _last_resets(sync_ptr, programs, FLAGS: tl.constexpr, act_chunks, h_chunks, 
     """Called by each program of the last phase: the last of them resets the flags and counters for the next
     launch (graph replays reuse them). By then every program has taken its vid and counted its tile, and
     none reads a flag after counting."""
-    tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+    if last_to_arrive(sync_ptr + 1, programs):
         offs = tl.arange(0, FLAGS)
         zeros = tl.zeros((FLAGS,), tl.int32)
         tl.store(sync_ptr + 2 + offs, zeros, mask=offs < act_chunks)
