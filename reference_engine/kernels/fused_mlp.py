@@ -98,14 +98,14 @@ def _count_done(flag_ptr):
 
 
 @triton.jit
-def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
-               N: tl.constexpr, K_STEP: tl.constexpr, STAGES: tl.constexpr, SILU: tl.constexpr,
-               WAIT: tl.constexpr, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
-    """rmsnorm(src) @ w.T for the N weight rows `w_rows` ([N, K_STEP] pointers at K offset 0), or with SILU
-    silu(that) * (the same with the rows up_offset further): skinny_gemm's one-row FMA tile, the same sums
-    in the same order. With WAIT the K loop walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills
-    (per_chunk producer tiles a chunk; 0: src is complete); the norm's 1/rms is applied at the end, so it
-    needs no pass."""
+def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.constexpr, K_STEP: tl.constexpr,
+                 STAGES: tl.constexpr, NORM: tl.constexpr, UP: tl.constexpr, WAIT: tl.constexpr, per_chunk,
+                 FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+    """The one-row FMA K loop both tile kinds share: (w @ a, with UP the same for the rows up_offset further,
+    and with NORM the sum of squares of src), where a = src, or with NORM (src * norm) rounded to src's dtype
+    (the 1/rms is the caller's, at the end). w_rows: [N, K_STEP] pointers at K offset 0. With WAIT the loop
+    walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills (per_chunk producer tiles a chunk; 0: src is
+    complete). skinny_gemm's FMA tile, the same sums in the same order."""
     kk = tl.arange(0, K_STEP)
     acc = tl.zeros((N, K_STEP), dtype=tl.float32)
     acc_up = tl.zeros((N, K_STEP), dtype=tl.float32)
@@ -118,17 +118,31 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
         # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
         # look-ahead loads past `ready` are masked off).
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
-            xk = tl.load(src_ptr + k + kk).to(tl.float32)
-            sum_sq += tl.sum(xk * xk, axis=0)
-            xn = (xk * tl.load(norm_ptr + k + kk).to(tl.float32)).to(src_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.load(w_rows + k).to(tl.float32) * xn[None, :]
-            if SILU:
-                acc_up += tl.load(w_rows + k + up_offset).to(tl.float32) * xn[None, :]
+            a = tl.load(src_ptr + k + kk).to(tl.float32)
+            if NORM:
+                sum_sq += tl.sum(a * a, axis=0)
+                a = (a * tl.load(norm_ptr + k + kk).to(tl.float32)).to(src_ptr.dtype.element_ty)
+                a = a.to(tl.float32)
+            acc += tl.load(w_rows + k).to(tl.float32) * a[None, :]
+            if UP:
+                acc_up += tl.load(w_rows + k + up_offset).to(tl.float32) * a[None, :]
         done = ready
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), sum_sq
+
+
+@triton.jit
+def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
+               N: tl.constexpr, K_STEP: tl.constexpr, STAGES: tl.constexpr, SILU: tl.constexpr,
+               WAIT: tl.constexpr, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+    """rmsnorm(src) @ w.T for the N weight rows `w_rows`, or with SILU silu(that) * (the same with the rows
+    up_offset further), walking src as `_walk_chunks` does; the norm's 1/rms is applied at the end, so it
+    needs no pass."""
+    dot, dot_up, sum_sq = _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N, K_STEP, STAGES,
+                                       True, SILU, WAIT, per_chunk, FLAGS, NO_WAIT)
     inv_rms = tl.rsqrt(sum_sq / K + eps)
-    y = tl.sum(acc, axis=1) * inv_rms
+    y = dot * inv_rms
     if SILU:
-        y = y / (1.0 + tl.exp(-y)) * (tl.sum(acc_up, axis=1) * inv_rms)
+        y = y / (1.0 + tl.exp(-y)) * (dot_up * inv_rms)
     return y
 
 
@@ -136,20 +150,11 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
 def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constexpr,
                    K_STEP: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, per_chunk,
                    FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
-    """res[col] + src @ w.T for the N weight rows `w_cols` ([N, K_STEP] pointers at K offset 0, one per
-    output column col): skinny_gemm's one-row FMA tile with its residual epilogue, the same sums in the same
-    order. With WAIT the K loop walks src chunk by chunk as `flags_ptr` fills, as in `_norm_rows`."""
-    kk = tl.arange(0, K_STEP)
-    acc = tl.zeros((N, K_STEP), dtype=tl.float32)
-    chunks = K // K_STEP
-    done = 0
-    while done < chunks:
-        ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
-        for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
-            a = tl.load(src_ptr + k + kk).to(tl.float32)
-            acc += tl.load(w_cols + k).to(tl.float32) * a[None, :]
-        done = ready
-    return tl.sum(acc, axis=1) + tl.load(res_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+    """res[col] + src @ w.T for the N weight rows `w_cols` (one per output column col), walking src as
+    `_walk_chunks` does: skinny_gemm's one-row FMA tile with its residual epilogue."""
+    dot, _, _ = _walk_chunks(src_ptr, src_ptr, w_cols, 0, flags_ptr, K, N, K_STEP, STAGES, False, False, WAIT,
+                             per_chunk, FLAGS, NO_WAIT)
+    return dot + tl.load(res_ptr + col, mask=col < H, other=0.0).to(tl.float32)
 
 
 @triton.jit
