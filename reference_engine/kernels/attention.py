@@ -249,6 +249,23 @@ def attend_split(
     return final
 
 
+def split_workspace(device: torch.device, batch: int, num_q_heads: int, num_kv_heads: int, num_splits: int,
+                    block_d: int, placeholder: torch.Tensor):
+    """(part_acc, part_ml, tickets, group_tickets, num_groups): what `attend_split` needs to merge
+    `num_splits` splits of each (sequence, KV head): fp32 partials [B * Hq * splits, BLOCK_D] and (m, l),
+    the ticket counters, the run tickets of a two-level merge and the number of runs. With one split the
+    partials are `placeholder` (never read)."""
+    if num_splits > 1:
+        rows = batch * num_q_heads * num_splits
+        part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=device)
+        part_ml = torch.empty(rows, 2, dtype=torch.float32, device=device)
+    else:
+        part_acc = part_ml = placeholder
+    num_groups = triton.cdiv(num_splits, _MERGE_GROUP)
+    group_tickets = counters_for(device, "attention run tickets", batch * num_kv_heads * num_groups)
+    return part_acc, part_ml, tickets_for(device, batch * num_kv_heads), group_tickets, num_groups
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -328,15 +345,8 @@ def _launch(
         dot_fp32 = DOT_FP32_DEFAULT or INTERPRETED
     use_pdl, pdl = launch_options(q)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-    if num_splits > 1:
-        rows = batch * num_q_heads * num_splits
-        part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
-    tickets = tickets_for(q.device, batch * num_kv_heads)
-    num_groups = triton.cdiv(num_splits, _MERGE_GROUP)
-    group_tickets = counters_for(q.device, "attention run tickets", batch * num_kv_heads * num_groups)
+    part_acc, part_ml, tickets, group_tickets, num_groups = split_workspace(
+        q.device, batch, num_q_heads, num_kv_heads, num_splits, block_d, out)
     # Without rope the fused-RoPE arguments are placeholders the kernel never reads.
     q_norm, k_norm, cos, sin, slots, stride_cos, eps = rope or (q, q, q, q, seq_lens, 0, 0.0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](

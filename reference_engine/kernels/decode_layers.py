@@ -48,7 +48,7 @@ from reference_engine.kernels.fused_mlp import (
 )
 from reference_engine.kernels.layer_stack import KINDS, LayerStack, run_layers
 from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
-from reference_engine.kernels.split_merge import counters_for, last_to_arrive, tickets_for
+from reference_engine.kernels.split_merge import counters_for, last_to_arrive
 
 # Attention tokens per loop trip: at 64 (the per-layer kernel's) the launch needs 185 registers a thread (2
 # programs an SM), at 32 168 (3, as the GEMM phases alone; sm_90, triton 3.6); 16 is slower again (H200:
@@ -268,11 +268,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
     flags = max(triton.next_power_of_2(max(hidden // t.gu_k, inter // t.d_k, hidden // t.q_k,
                                            attn_dim // t.o_k, num_kv_heads)), 32 * t.num_warps)
     sync = counters_for(x.device, "decode layers", 2 + layers * _FLAG_SETS.value * flags)
-    tickets = tickets_for(x.device, num_kv_heads)
-    num_groups = triton.cdiv(num_splits, attention._MERGE_GROUP)
-    group_tickets = counters_for(x.device, "attention run tickets", num_kv_heads * num_groups)
-    part_acc = torch.empty(num_q_heads * num_splits, block_d, dtype=torch.float32, device=x.device)
-    part_ml = torch.empty(num_q_heads * num_splits, 2, dtype=torch.float32, device=x.device)
+    part_acc, part_ml, tickets, group_tickets, num_groups = attention.split_workspace(
+        x.device, 1, num_q_heads, num_kv_heads, num_splits, block_d, x)
     xs = torch.empty(layers, hidden, dtype=x.dtype, device=x.device)
     qkv = torch.empty(layers, qkv_size, dtype=x.dtype, device=x.device)
     attn = torch.empty(layers, attn_dim, dtype=x.dtype, device=x.device)
