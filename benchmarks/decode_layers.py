@@ -3,10 +3,11 @@
     python benchmarks/decode_layers.py [--contexts 170,1024] [--replays 200]
 
 Ways (each the residual stream after the last layer from the embedding, as `Qwen3Model.forward` runs it):
-`layers` one launch (decode_layers.py, the engine's default); `layers-tile64` / `-tile16` with 64- / 16-token
-attention tiles (64: the per-layer kernel's); `layers-no-wait` without its dependencies and
-`layers-skip-attention` without o_proj's wait for attention (wrong results: what the waits cost);
-`o+mlp+qkv` two launches a layer (attention, then fused_mlp's launch), the default before.
+`layers` one launch (decode_layers.py, the engine's default); `layers-o-walk` with o_proj walking its K
+chunks as attention fills them instead of holding its whole weight tile across attention; `layers-tile64` /
+`-tile16` with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-no-wait` without its
+dependencies and `layers-skip-attention` without o_proj's wait for attention (wrong results: what the waits
+cost); `o+mlp+qkv` two launches a layer (attention, then fused_mlp's launch), the default before.
 First checks that graph replays repeat the eager bits (the counters reset) and that the ways are about as
 close to the torch reference as the per-layer launches, then times CUDA-graph replays. Prints us per layer
 against the floor (the layers' weight bytes at the copy bandwidth measured here). Needs a GPU.
@@ -31,7 +32,16 @@ from reference_engine.kernels.layer_stack import LayerStack, run_layers  # noqa:
 from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
 from reference_engine.model import Qwen3Model  # noqa: E402
 
-WAYS = ("layers", "layers-tile16", "layers-tile64", "layers-skip-attention", "layers-no-wait", "o+mlp+qkv")
+# Ways of the one launch: decode_layers.OPTIONS overrides (benchmark switches).
+LAUNCH_OPTIONS = {
+    "layers": {},
+    "layers-o-walk": {"o_proj_whole": False},
+    "layers-tile16": {"tile": 16},
+    "layers-tile64": {"tile": 64},
+    "layers-skip-attention": {"skip": 2},
+    "layers-no-wait": {},
+}
+WAYS = (*LAUNCH_OPTIONS, "o+mlp+qkv")
 WRONG = ("layers-no-wait", "layers-skip-attention")  # dependencies skipped
 
 
@@ -39,8 +49,8 @@ def way_runner(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, 
     """A no-argument call computing the layers `way`."""
     cfg = model.config
     tiles = MlpTiles(no_wait=way == "layers-no-wait")
-    tile = {"layers-tile64": 64, "layers-tile16": 16}.get(way, decode_layers._ATTENTION_TILE)
-    options = dict(skip=2 if way == "layers-skip-attention" else 0)
+    options = dict(LAUNCH_OPTIONS.get(way, {}))
+    tile = options.pop("tile", decode_layers._ATTENTION_TILE)
 
     def run() -> torch.Tensor:
         args = (x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
@@ -49,12 +59,13 @@ def way_runner(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, 
         if way == "o+mlp+qkv":  # the Triton ops layer by layer (Config.one_launch_layers=False)
             return run_layers(decode_layers._triton_ops(), *args, **heads)
         saved, decode_layers._ATTENTION_TILE = decode_layers._ATTENTION_TILE, tile
+        defaults = dict(decode_layers.OPTIONS)
         decode_layers.OPTIONS.update(options)
         try:
             return decode_layers.decode_layers(*args, **heads, tiles=tiles)
         finally:
             decode_layers._ATTENTION_TILE = saved
-            decode_layers.OPTIONS.update(skip=0)
+            decode_layers.OPTIONS.update(defaults)
 
     return run
 
@@ -87,7 +98,12 @@ def main() -> None:
     parser.add_argument("--contexts", default="170,1024", help="tokens in the sequence, comma-separated")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     args = parser.parse_args()
+    ways = args.ways.split(",")
+    if unknown := set(ways) - set(WAYS):
+        sys.exit(f"decode_layers.py: unknown ways {sorted(unknown)}")
+    ways = sorted(set(ways) | {"layers", "o+mlp+qkv"}, key=WAYS.index)  # the references
     if not torch.cuda.is_available():
         sys.exit("decode_layers.py: needs a CUDA GPU")
     cfg = Config(preset="qwen3-4b", kernels="triton", max_model_len=args.max_model_len)
@@ -108,7 +124,7 @@ def main() -> None:
         slot = blocks[0, last // cfg.block_size].long() * cfg.block_size + last % cfg.block_size
         meta = dict(slot_mapping=slot.reshape(1), block_tables=blocks,
                     seq_lens=torch.tensor([context], dtype=torch.int32, device="cuda"))
-        runs = {way: way_runner(way, model, stack, x, meta) for way in WAYS}
+        runs = {way: way_runner(way, model, stack, x, meta) for way in ways}
         eager = {way: run().clone() for way, run in runs.items()}
         graphs = {way: graph_of(run) for way, run in runs.items()}
         for way, (graph, out) in graphs.items():
@@ -124,7 +140,7 @@ def main() -> None:
             x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
             model.scale, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
         ).float()
-        diffs = {way: ((eager[way].float() - ref).norm() / ref.norm()).item() for way in WAYS}
+        diffs = {way: ((eager[way].float() - ref).norm() / ref.norm()).item() for way in ways}
         print(f"context {context}: graph replays repeat the eager bits; relative difference to torch: "
               + ", ".join(f"{way} {d:.4f}" for way, d in diffs.items()), flush=True)
         bound = 2 * diffs["o+mlp+qkv"] + 1e-3

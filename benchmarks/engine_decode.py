@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
-from reference_engine.kernels import decode_linear, skinny_gemm
+from reference_engine.kernels import decode_layers, decode_linear, skinny_gemm
 from reference_engine.model import Qwen3Model
 
 GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applied on top of choose_config
@@ -42,7 +42,11 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "mlp-launch": None,  # o_proj, the MLP in one launch, qkv
     "separate-launches": None,  # o_proj, gate_up, down, qkv
     "layer-launches": None,  # a launch per layer for attention and one for the rest (o_proj, MLP, next qkv)
+    # the one launch with decode_layers.OPTIONS changed (_LAUNCH_OPTIONS):
+    "o-walk": None,  # o_proj walks its K chunks as attention fills them (not holding its whole tile)
 }
+_LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}}
+_DECODE_LAYERS_OPTIONS = dict(decode_layers.OPTIONS)
 _LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off",
                "layer-launches": "o+mlp+qkv"}
 _CHOOSE_CONFIG = skinny_gemm.choose_config  # the engine's own, restored before each variant
@@ -66,6 +70,7 @@ def apply_gemm_variant(name: str, tiles=None) -> dict:
     changes the variant needs (the layer-tail variants launch layers one by one)."""
     skinny_gemm.choose_config = _CHOOSE_CONFIG
     decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
+    decode_layers.OPTIONS.update(_DECODE_LAYERS_OPTIONS, **_LAUNCH_OPTIONS.get(name, {}))
     for rewrite in (GEMM_VARIANTS[name], tiles):
         if rewrite is not None:
             rewrite_gemm_configs(rewrite)

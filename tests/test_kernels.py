@@ -410,8 +410,11 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
     per_layer_caches = [(k.clone(), v.clone()) for k, v in caches]
     assert not launches
     ref = REF.decode_layers(*args, **heads)
-    for tile in (64, decode_layers._ATTENTION_TILE):
+    # o_proj holding its whole weight tile across attention (the default), or walking its K chunks as
+    # attention fills them (the per-layer launches' loop): at one K chunk (this model) the same sums.
+    for tile, whole in ((64, True), (64, False), (decode_layers._ATTENTION_TILE, True)):
         monkeypatch.setattr(decode_layers, "_ATTENTION_TILE", tile)
+        monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", whole)
         for _ in range(2):  # the second launch finds the counters the first one reset
             one = TRITON.decode_layers(*args, **heads)
             assert not split_merge.counters_for(x.device, "decode layers", 0).any()
@@ -421,11 +424,14 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
             for (k, v), (k0, v0) in zip(caches, per_layer_caches, strict=True):
                 assert_close(k, k0, model.dtype)
                 assert_close(v, v0, model.dtype)
-    assert len(launches) == 4
+    assert len(launches) == 6
     assert_close(per_layer, ref, model.dtype, atol=1e-4)
-    # o_proj K steps narrower than a KV head group: each group's attention counts on several chunks.
-    narrow = decode_layers.decode_layers(*args, **heads, tiles=MlpTiles(o_k=32))
-    assert_close(narrow, ref, model.dtype, atol=1e-4)
+    # o_proj K steps narrower than a KV head group: each group's attention counts on several chunks, and
+    # o_proj waits for all of them (whole tile) or walks them.
+    for whole in (True, False):
+        monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", whole)
+        narrow = decode_layers.decode_layers(*args, **heads, tiles=MlpTiles(o_k=32))
+        assert_close(narrow, ref, model.dtype, atol=1e-4)
 
 
 def test_decode_layers_fall_back_to_a_launch_per_layer():

@@ -57,9 +57,12 @@ _ATTENTION_TILE = 32
 # Per layer: input, qkv (per KV head), attention (per o_proj chunk), h and act flags, the layer-done ticket.
 _FLAG_SETS = tl.constexpr(6)
 _TILES = MlpTiles()
-# Benchmark switch (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong results:
-# what that dependency costs).
-OPTIONS = {"skip": 0}
+# Bytes of o_proj weights a thread may hold across attention (64 registers): the launch stays at 168 registers
+# (3 programs an SM; sm_90, triton 3.6), as without.
+_O_WHOLE_BYTES = 256
+# Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong
+# results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them.
+OPTIONS = {"skip": 0, "o_proj_whole": True}
 
 
 @triton.jit
@@ -112,7 +115,7 @@ def _decode_layers_kernel(
     D_N: tl.constexpr, D_K: tl.constexpr, D_STAGES: tl.constexpr,
     Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
     FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr, SKIP: tl.constexpr,
-    ATT_CHUNKS: tl.constexpr,
+    ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, A_P2: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -179,12 +182,22 @@ def _decode_layers_kernel(
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns
         col = (r - n_q - n_att) * O_N + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
-        w_rows += tl.arange(0, O_K)[None, :]
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
         if SKIP & 2:
             attn_chunk = 0  # diagnostics: o_proj does not wait for attention (wrong results)
-        h = _residual_cols(attn_l, w_rows, x_ptr, col, attn_flags, A, H, O_N, O_K,
-                           O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
+        if O_WHOLE:  # the tile's weights load while attention runs; then one pass once it is all done
+            kk = tl.arange(0, A_P2)
+            w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < A, other=0.0)
+            chunks = A // O_K
+            ready = 0
+            while ready < chunks:
+                ready = _chunks_ready(attn_flags, chunks, attn_chunk, FLAGS, True, NO_WAIT)
+            a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
+            h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+        else:
+            h = _residual_cols(attn_l, w_rows + tl.arange(0, O_K)[None, :], x_ptr, col, attn_flags, A, H, O_N,
+                               O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
         tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
         _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
@@ -276,6 +289,9 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
     h = torch.empty(layers, hidden, dtype=x.dtype, device=x.device)
     act = torch.empty(layers, inter, dtype=x.dtype, device=x.device)
     use_pdl, pdl = launch_options(x)
+    # o_proj's whole [O_N, attn_dim] weight tile in registers: up to 64 a thread (qwen3-4b: 4 x 4096 bf16).
+    o_whole = OPTIONS["o_proj_whole"] and (
+        t.o_n * triton.next_power_of_2(attn_dim) * x.element_size() <= _O_WHOLE_BYTES * 32 * t.num_warps)
     dot_fp32 = attention.DOT_FP32_DEFAULT or INTERPRETED or x.dtype == torch.float32
     per_layer = (triton.cdiv(qkv_size, t.q_n) + num_kv_heads * num_splits + triton.cdiv(hidden, t.o_n)
                  + triton.cdiv(inter, t.gu_n) + triton.cdiv(hidden, t.d_n))
@@ -294,6 +310,7 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         O_N=t.o_n, O_K=t.o_k, O_STAGES=t.o_stages, GU_N=t.gu_n, GU_K=t.gu_k, GU_STAGES=t.gu_stages,
         D_N=t.d_n, D_K=t.d_k, D_STAGES=t.d_stages, Q_N=t.q_n, Q_K=t.q_k, Q_STAGES=t.q_stages,
         FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
-        ATT_CHUNKS=max(group * head_dim // t.o_k, 1), num_warps=t.num_warps, **pdl,
+        ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, A_P2=triton.next_power_of_2(attn_dim),
+        num_warps=t.num_warps, **pdl,
     )
     return xs[layers - 1 :]
