@@ -7,12 +7,15 @@ eager step launches 36 x 2 fewer. Each program draws its role from a dispatch co
 start), so it only waits for programs already running: no deadlock, whatever fits on the GPU. Per layer:
 
 - qkv tiles: rmsnorm(x_l) @ w_qkv.T (Q_N rows each), walking x_l chunk by chunk as the previous layer's down
-  tiles fill it; each counts on the flag of the KV head its rows belong to (q rows of its group, k or v);
+  tiles fill it; each counts on the flag of the KV head its rows belong to (q rows of its group, k or v),
+  and they are dispatched group by group;
 - attention splits (attention.py's `attend_split`: q/k norm, RoPE, cache write, flash-decoding with the merge
   in the last split): each waits for its KV head's qkv rows; the program that stores the head group's output
   counts on the flag of its o_proj chunk;
-- o_proj, gate_up + SiLU and down tiles as in fused_mlp.py, chained through per-chunk flags; down writes
-  x_{l+1} and counts on the next layer's input flags.
+- o_proj tiles load their whole weight tile (O_N x attention width) before waiting for attention, so the HBM
+  streams o_proj while attention's chain of round trips runs; then one pass over the attention output;
+- gate_up + SiLU and down tiles as in fused_mlp.py, chained through per-chunk flags; down writes x_{l+1}
+  and counts on the next layer's input flags.
 
 Every output is one program's K loop in order, as in the separate kernels: the result does not depend on
 timing. Its GEMM sums are the per-layer launches'; attention's differ by rounding on the GPU (4 warps here,
@@ -22,11 +25,11 @@ down tile of a layer resets that layer's flags (every reader of them has finishe
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles).
 
-On the H200 the launch is no faster on the GPU than two a layer (64.0 against 64.2 us a layer,
-docs/benchmarks.md), but an eager step drops from 10.7 to 3.1 ms (it was CPU-bound on its launches): what the
-boundaries cost the GPU moved into waiting. Attention is a chain of dependent memory round trips with
-nothing to stream beside it (o_proj not waiting for it: 54.5 us), and every phase edge leaves the next
-phase's last chunk to load after its producer finishes (no waits at all: 46).
+On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 61.5 us at 170 tokens against 64.2 at two launches
+a layer (floor 47.3), and an eager step drops from 10.7 to 2.8 ms (it was CPU-bound on its launches).
+Attention is a chain of dependent memory round trips (o_proj not waiting for it: 54.5 us); before o_proj
+held its weights across it (63.9 us) the HBM idled through it. Every phase edge leaves the next phase's
+last chunk to load after its producer finishes (no waits at all: 48).
 """
 
 from __future__ import annotations
@@ -142,7 +145,20 @@ def _decode_layers_kernel(
     act_l = act_ptr + layer * INTER
     table = offsets_ptr + layer
     if r < n_q:  # qkv = rmsnorm(x_l) @ w_qkv.T for Q_N rows
-        rn = r * Q_N + tl.arange(0, Q_N)
+        # Tiles in KV head group order (the group's q rows, its k rows, its v rows), so the first groups'
+        # attention can start while the last groups' tiles stream (H200: 61.5 against 61.8 us a layer in row
+        # order, where every group waited for the k and v rows at the end; docs/benchmarks.md).
+        per_group = (GROUP + 2) * HEAD_DIM // Q_N
+        q_tiles = GROUP * HEAD_DIM // Q_N
+        kv_tiles = HEAD_DIM // Q_N
+        head = r // per_group
+        t = r % per_group
+        q_rows = NUM_Q_HEADS * HEAD_DIM
+        kv_rows = NUM_KV_HEADS * HEAD_DIM
+        row = tl.where(t < q_tiles, head * GROUP * HEAD_DIM + t * Q_N,
+                       tl.where(t < q_tiles + kv_tiles, q_rows + head * HEAD_DIM + (t - q_tiles) * Q_N,
+                                q_rows + kv_rows + head * HEAD_DIM + (t - q_tiles - kv_tiles) * Q_N))
+        rn = row + tl.arange(0, Q_N)
         rows = _at(wqkv0_ptr, table, 1, LAYERS) + tl.minimum(rn, QKV - 1).to(tl.int64)[:, None] * H
         rows += tl.arange(0, Q_K)[None, :]
         per_chunk = Q_K // D_N
@@ -151,13 +167,6 @@ def _decode_layers_kernel(
         y = _norm_rows(x_ptr, _at(in_norm0_ptr, table, 0, LAYERS), rows, 0, in_flags, H, eps, Q_N, Q_K,
                        Q_STAGES, False, True, per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
-        # The KV head these rows feed: q rows in head-group order, then the k heads, then the v heads.
-        row = r * Q_N
-        q_rows = NUM_Q_HEADS * HEAD_DIM
-        kv_rows = NUM_KV_HEADS * HEAD_DIM
-        head = tl.where(row < q_rows, row // (GROUP * HEAD_DIM),
-                        tl.where(row < q_rows + kv_rows, (row - q_rows) // HEAD_DIM,
-                                 (row - q_rows - kv_rows) // HEAD_DIM))
         _count_done(qkv_flags + head)
     elif r < n_q + n_att:  # one split of one KV head's attention
         kv_head = (r - n_q) // NUM_SPLITS
