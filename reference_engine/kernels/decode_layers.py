@@ -18,15 +18,17 @@ start), so it only waits for programs already running: no deadlock, whatever fit
   and counts on the next layer's input flags.
 
 Every output is one program's K loop in order, as in the separate kernels: the result does not depend on
-timing. Its GEMM sums are the per-layer launches'; attention's differ by rounding on the GPU (4 warps here,
-8 there; with the same 64-token tile the interpreter gives the same bits). Each layer has its own flags and
+timing. Its qkv, gate_up and down sums are the per-layer launches'; o_proj's one pass over the whole
+attention width adds in another order than their 1024-wide chunks, and attention's reductions run in 4 warps
+here (8 there): on the GPU the result differs from the per-layer launches by rounding (with the same 64-token
+attention tile and one o_proj chunk, the interpreter gives the same bits). Each layer has its own flags and
 activation buffers, so no SM's L1 can hold a line of an earlier layer's buffer at the same address. The last
 down tile of a layer resets that layer's flags (every reader of them has finished by then), the last of the
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles).
 
 On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 61.5 us at 170 tokens against 64.2 at two launches
-a layer (floor 47.3), and an eager step drops from 10.7 to 2.8 ms (it was CPU-bound on its launches).
+a layer (floor 47.3), and an eager step drops from 10.7 to 2.8-3.3 ms (it was CPU-bound on its launches).
 Attention is a chain of dependent memory round trips (o_proj not waiting for it: 54.5 us); before o_proj
 held its weights across it (63.9 us) the HBM idled through it. Every phase edge leaves the next phase's
 last chunk to load after its producer finishes (no waits at all: 48).
