@@ -432,6 +432,14 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
         monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", whole)
         narrow = decode_layers.decode_layers(*args, **heads, tiles=MlpTiles(o_k=32))
         assert_close(narrow, ref, model.dtype, atol=1e-4)
+    # The split merge with its full-width load (more splits than half the chunk) and in two levels (runs of
+    # two splits; at 150 tokens three splits hold tokens): this model's few splits take neither by default.
+    for chunk, group in ((4, 8), (4, 2)):
+        monkeypatch.setattr(decode_layers, "_MERGE_CHUNK", chunk)
+        monkeypatch.setattr(decode_layers, "_MERGE_GROUP", group)
+        merged = decode_layers.decode_layers(*args, **heads)
+        assert not split_merge.counters_for(x.device, "attention run tickets", 0).any()
+        assert_close(merged, ref, model.dtype, atol=1e-4)
 
 
 def test_decode_layers_fall_back_to_a_launch_per_layer():

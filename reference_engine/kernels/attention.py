@@ -128,7 +128,7 @@ def attend_split(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
-    MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, MERGE_CHUNK: tl.constexpr = 2,
 ):
     """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
     program that stored the group's final output (the only split, or the last to arrive, which merged),
@@ -219,12 +219,20 @@ def attend_split(
         tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
         tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
         tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
-        # Two splits a round trip: of 2, 4 and 8 this was the fastest merge at batch 1 (H200).
+        # MERGE_CHUNK splits a round trip: in the attention kernel 2 was the fastest of 2, 4 and 8 at batch 1
+        # (H200); decode_layers.py passes its own.
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
         if active <= MERGE_GROUP:
             if last_to_arrive(ticket_ptr, active):
-                merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
-                               kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
+                small = (MERGE_CHUNK > 2) & (active <= MERGE_CHUNK // 2)  # half the tile holds them all
+                if small:
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
+                                   kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
+                                   MERGE_CHUNK // 2)
+                else:
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
+                                   kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
+                                   MERGE_CHUNK)
                 tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
                 final = 1
         else:
@@ -236,32 +244,32 @@ def attend_split(
             run_size = tl.minimum(active - lo, MERGE_GROUP)
             if last_to_arrive(run_ticket, run_size):
                 m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo, run_size, 1,
-                                                      NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, 2)
+                                                      NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, MERGE_CHUNK)
                 store_partial(part_acc_ptr, part_ml_ptr, first_row, lo, m_run, l_run, acc_run,
                               NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D)
                 tl.atomic_xchg(run_ticket, 0)
                 if last_to_arrive(ticket_ptr, tl.cdiv(active, MERGE_GROUP)):
                     merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row,
                                    tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
-                                   NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, 2)
+                                   NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
                     tl.atomic_xchg(ticket_ptr, 0)
                     final = 1
     return final
 
 
 def split_workspace(device: torch.device, batch: int, num_q_heads: int, num_kv_heads: int, num_splits: int,
-                    block_d: int, placeholder: torch.Tensor):
+                    block_d: int, placeholder: torch.Tensor, merge_group: int = _MERGE_GROUP):
     """(part_acc, part_ml, tickets, group_tickets, num_groups): what `attend_split` needs to merge
     `num_splits` splits of each (sequence, KV head): fp32 partials [B * Hq * splits, BLOCK_D] and (m, l),
-    the ticket counters, the run tickets of a two-level merge and the number of runs. With one split the
-    partials are `placeholder` (never read)."""
+    the ticket counters, the run tickets of a two-level merge (runs of `merge_group` splits) and the number
+    of runs. With one split the partials are `placeholder` (never read)."""
     if num_splits > 1:
         rows = batch * num_q_heads * num_splits
         part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=device)
         part_ml = torch.empty(rows, 2, dtype=torch.float32, device=device)
     else:
         part_acc = part_ml = placeholder
-    num_groups = triton.cdiv(num_splits, _MERGE_GROUP)
+    num_groups = triton.cdiv(num_splits, merge_group)
     group_tickets = counters_for(device, "attention run tickets", batch * num_kv_heads * num_groups)
     return part_acc, part_ml, tickets_for(device, batch * num_kv_heads), group_tickets, num_groups
 
