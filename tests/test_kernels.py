@@ -418,6 +418,7 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
         for _ in range(2):  # the second launch finds the counters the first one reset
             one = TRITON.decode_layers(*args, **heads)
             assert not split_merge.counters_for(x.device, "decode layers", 0).any()
+            assert not split_merge.tickets_for(x.device, 0).any()  # the merge tickets too
             assert_close(one, ref, model.dtype, atol=1e-4)
             if tile == 64 and DEVICE == "cpu":
                 assert torch.equal(one, per_layer)
@@ -439,6 +440,7 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
         monkeypatch.setattr(decode_layers, "_MERGE_GROUP", group)
         merged = decode_layers.decode_layers(*args, **heads)
         assert not split_merge.counters_for(x.device, "attention run tickets", 0).any()
+        assert not split_merge.tickets_for(x.device, 0).any()
         assert_close(merged, ref, model.dtype, atol=1e-4)
 
 

@@ -129,10 +129,12 @@ def attend_split(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
     MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, MERGE_CHUNK: tl.constexpr = 2,
+    RESET_TICKET: tl.constexpr = True,
 ):
     """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
     program that stored the group's final output (the only split, or the last to arrive, which merged),
-    else 0: decode_layers.py counts that output done for its consumers."""
+    else 0: decode_layers.py counts that output done for its consumers. Without RESET_TICKET the caller
+    zeroes the (seq, kv_head) ticket after that (off the chain to the consumers)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -233,7 +235,9 @@ def attend_split(
                     merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
                                    kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
                                    MERGE_CHUNK)
-                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (graph replays reuse the counters)
+                if RESET_TICKET:  # ready for the next launch (graph replays reuse the counters)
+                    if RESET_TICKET:
+                        tl.atomic_xchg(ticket_ptr, 0)
                 final = 1
         else:
             # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the
@@ -252,7 +256,8 @@ def attend_split(
                     merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row,
                                    tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
                                    NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
-                    tl.atomic_xchg(ticket_ptr, 0)
+                    if RESET_TICKET:
+                        tl.atomic_xchg(ticket_ptr, 0)
                     final = 1
     return final
 

@@ -190,11 +190,14 @@ def _decode_layers_kernel(
                 HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, 0, A, HEAD_DIM, 0,
                 kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
                 NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
-                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK,
+                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False,
             )
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
                     _count_done(attn_flags + kv_head * GROUP * HEAD_DIM // O_K + i)
+                # The merge ticket is zeroed only now, off the chain to o_proj (nothing reads it again in this
+                # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
+                tl.atomic_xchg(tickets_ptr + kv_head, 0)
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns
         col = (r - n_q - n_att) * O_N + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
