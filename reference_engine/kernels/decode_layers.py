@@ -10,8 +10,9 @@ start), so it only waits for programs already running: no deadlock, whatever fit
   tiles fill it; each counts on the flag of the KV head its rows belong to (q rows of its group, k or v),
   and they are dispatched group by group;
 - attention splits (attention.py's `attend_split`: q/k norm, RoPE, cache write, flash-decoding with the merge
-  in the last split): each waits for its KV head's qkv rows; the program that stores the head group's output
-  counts on the flag of its o_proj chunk;
+  in the last split, up to 16 splits in one level and one round trip): each waits for its KV head's qkv rows;
+  the program that stores the head group's output counts on the flag of its o_proj chunk, then zeroes the
+  merge ticket;
 - o_proj tiles load their whole weight tile (O_N x attention width) before waiting for attention, so the HBM
   streams o_proj while attention's chain of round trips runs; then one pass over the attention output;
 - gate_up + SiLU and down tiles as in fused_mlp.py, chained through per-chunk flags; down writes x_{l+1}
@@ -27,11 +28,11 @@ down tile of a layer resets that layer's flags (every reader of them has finishe
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles).
 
-On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 61.5 us at 170 tokens against 64.2 at two launches
-a layer (floor 47.3), and an eager step drops from 10.7 to 2.8-3.3 ms (it was CPU-bound on its launches).
-Attention is a chain of dependent memory round trips (o_proj not waiting for it: 54.5 us); before o_proj
-held its weights across it (63.9 us) the HBM idled through it. Every phase edge leaves the next phase's
-last chunk to load after its producer finishes (no waits at all: 48).
+On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 60.7 us at 170 tokens (63.5 at 1024) against 64.6
+(70.1) at two launches a layer (floor 47.3), and an eager step drops from 10.7 to 2.8-3.3 ms (it was
+CPU-bound on its launches). Attention is a chain of dependent memory round trips (o_proj not waiting for it:
+54.5 us); before o_proj held its weights across it (63.9 us) the HBM idled through it. Every phase edge leaves
+the next phase's last chunk to load after its producer finishes (no waits at all: 48).
 """
 
 from __future__ import annotations
