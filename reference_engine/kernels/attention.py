@@ -236,8 +236,7 @@ def attend_split(
                                    kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
                                    MERGE_CHUNK)
                 if RESET_TICKET:  # ready for the next launch (graph replays reuse the counters)
-                    if RESET_TICKET:
-                        tl.atomic_xchg(ticket_ptr, 0)
+                    tl.atomic_xchg(ticket_ptr, 0)
                 final = 1
         else:
             # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the

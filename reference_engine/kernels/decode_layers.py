@@ -84,11 +84,12 @@ def _at(base_ptr, table_ptr, KIND: tl.constexpr, layers):
 
 
 @triton.jit
-def _wait_for(flag_ptr, count, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
-    """Spin until the flag reaches `count` (every warp sees the same reads: see _chunks_ready)."""
+def _wait_for(flags_ptr, count, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr, chunks=1):
+    """Spin until each of the `chunks` flags reaches `count` (every warp sees the same reads: see
+    _chunks_ready)."""
     ready = 0
-    while ready < 1:
-        ready = _chunks_ready(flag_ptr, 1, count, FLAGS, True, NO_WAIT)
+    while ready < chunks:
+        ready = _chunks_ready(flags_ptr, chunks, count, FLAGS, True, NO_WAIT)
 
 
 @triton.jit
@@ -208,10 +209,7 @@ def _decode_layers_kernel(
         if O_WHOLE:  # the tile's weights load while attention runs; then one pass once it is all done
             kk = tl.arange(0, A_P2)
             w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < A, other=0.0)
-            chunks = A // O_K
-            ready = 0
-            while ready < chunks:
-                ready = _chunks_ready(attn_flags, chunks, attn_chunk, FLAGS, True, NO_WAIT)
+            _wait_for(attn_flags, attn_chunk, FLAGS, NO_WAIT, A // O_K)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
