@@ -3,19 +3,22 @@
     python benchmarks/decode_layers.py [--contexts 170,1024] [--replays 200]
 
 Ways (each the residual stream after the last layer from the embedding, as `Qwen3Model.forward` runs it):
-`layers` one launch (decode_layers.py, the engine's default); `layers-o-walk` with o_proj walking its K
-chunks as attention fills them instead of holding its whole weight tile across attention; `layers-tile64` /
-`-tile16` with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-no-wait` without its
-dependencies and `layers-skip-attention` without o_proj's wait for attention (wrong results: what the waits
-cost); `o+mlp+qkv` two launches a layer (attention, then fused_mlp's launch), the default before.
-First checks that graph replays repeat the eager bits (the counters reset) and that the ways are about as
-close to the torch reference as the per-layer launches, then times CUDA-graph replays. Prints us per layer
-against the floor (the layers' weight bytes at the copy bandwidth measured here). Needs a GPU.
+`layers` one launch (decode_layers.py, the engine's default); `layers-o-walk` with o_proj walking its K chunks
+as attention fills them instead of holding its whole weight tile across attention; `layers-tile64` / `-tile16`
+with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-gu3` with gate_up's 3-stage pipeline
+(the default before); `layers-128regs` capped at 128 registers a thread (4 programs an SM instead of 3, some
+spilled); `layers-no-wait` (`-128regs`) without its dependencies and `layers-skip-attention` without o_proj's
+wait for attention (wrong results: what the waits cost); `o+mlp+qkv` two launches a layer (attention, then
+fused_mlp's launch), the default before. First checks that graph replays repeat the eager bits (the counters
+reset) and that the ways are about as close to the torch reference as the per-layer launches, then times
+CUDA-graph replays. Prints us per layer against the floor (the layers' weight bytes at the copy bandwidth
+measured here). Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +30,6 @@ from engine_decode import copy_bandwidth  # noqa: E402  (this directory is on sy
 
 from reference_engine.config import Config  # noqa: E402
 from reference_engine.kernels import decode_layers, torch_ref  # noqa: E402
-from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
 from reference_engine.kernels.layer_stack import LayerStack, run_layers  # noqa: E402
 from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
 from reference_engine.model import Qwen3Model  # noqa: E402
@@ -36,20 +38,24 @@ from reference_engine.model import Qwen3Model  # noqa: E402
 LAUNCH_OPTIONS = {
     "layers": {},
     "layers-o-walk": {"o_proj_whole": False},
+    "layers-gu3": {"mlp": {"gu_stages": 3}},
+    "layers-128regs": {"maxnreg": 128},
     "layers-tile16": {"tile": 16},
     "layers-tile64": {"tile": 64},
     "layers-skip-attention": {"skip": 2},
     "layers-no-wait": {},
+    "layers-no-wait-128regs": {"maxnreg": 128},
 }
 WAYS = (*LAUNCH_OPTIONS, "o+mlp+qkv")
-WRONG = ("layers-no-wait", "layers-skip-attention")  # dependencies skipped
+WRONG = ("layers-no-wait", "layers-no-wait-128regs", "layers-skip-attention")  # dependencies skipped
 
 
 def way_runner(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, meta: dict):
     """A no-argument call computing the layers `way`."""
     cfg = model.config
-    tiles = MlpTiles(no_wait=way == "layers-no-wait")
     options = dict(LAUNCH_OPTIONS.get(way, {}))
+    tiles = dataclasses.replace(decode_layers._TILES, no_wait=way.startswith("layers-no-wait"),
+                                **options.pop("mlp", {}))
     tile = options.pop("tile", decode_layers._ATTENTION_TILE)
 
     def run() -> torch.Tensor:

@@ -28,11 +28,11 @@ down tile of a layer resets that layer's flags (every reader of them has finishe
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles).
 
-On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 60.7 us at 170 tokens (63.5 at 1024) against 64.6
-(70.1) at two launches a layer (floor 47.3), and an eager step drops from 10.7 to 2.8-3.3 ms (it was
-CPU-bound on its launches). Attention is a chain of dependent memory round trips (o_proj not waiting for it:
-54.5 us); before o_proj held its weights across it (63.9 us) the HBM idled through it. Every phase edge leaves
-the next phase's last chunk to load after its producer finishes (no waits at all: 48).
+On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 60.0-60.3 us at 170 tokens (62.9-63.3 at 1024) against
+64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.8-3.3
+ms (it was CPU-bound on its launches). Attention is a chain of dependent memory round trips (o_proj not
+waiting for it: 54.5 us); before o_proj held its weights across it (63.9 us) the HBM idled through it. Every
+phase edge leaves the next phase's last chunk to load after its producer finishes (no waits at all: 48).
 """
 
 from __future__ import annotations
@@ -62,13 +62,17 @@ from reference_engine.kernels.split_merge import counters_for, last_to_arrive
 _ATTENTION_TILE = 32
 # Per layer: input, qkv (per KV head), attention (per o_proj chunk), h and act flags, the layer-done ticket.
 _FLAG_SETS = tl.constexpr(6)
-_TILES = MlpTiles()
+# gate_up with 5 stages (69.6 KB of shared memory a program, still 3 programs an SM): H200, 59.96 against
+# 60.37-60.40 us a layer at 170 tokens, 62.86-62.89 against 63.05 at 1024 (down with 3 or 8 stages, qkv with 2
+# or 5: slower; docs/benchmarks.md).
+_TILES = MlpTiles(gu_stages=5)
 # Bytes of o_proj weights a thread may hold across attention (64 registers): the launch stays at 168 registers
 # (3 programs an SM; sm_90, triton 3.6), as without.
 _O_WHOLE_BYTES = 256
 # Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong
-# results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them.
-OPTIONS = {"skip": 0, "o_proj_whole": True}
+# results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them;
+# "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
+OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -330,6 +334,6 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
         ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, A_P2=triton.next_power_of_2(attn_dim),
         MERGE_CHUNK=_MERGE_CHUNK,
-        num_warps=t.num_warps, **pdl,
+        num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]
