@@ -38,6 +38,7 @@ from reference_engine.graphs import (
     batch_buckets,
     float_bits,
 )
+from reference_engine.host_copy import copy_to
 from reference_engine.kv_cache import allocate_kv_cache
 from reference_engine.model import Qwen3Model
 from reference_engine.sampler import SamplingParams
@@ -292,7 +293,7 @@ class Engine:
                     self.stats.graph_replays += 1
                 self.stats.decode_steps += 1
                 sampled = self.buffers.sampled[: batch.num_seqs]
-            out.copy_(sampled, non_blocking=True)
+            copy_to(out, sampled)
             ready = None
             if self.stream is not None:
                 ready = torch.cuda.Event()

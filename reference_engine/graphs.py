@@ -5,8 +5,9 @@ Decode inputs travel as one int32 metadata row per sequence:
     [slot, position, top_k, seed, temperature (f32 bits), top_p (f32 bits), block_table[max_blocks]]
 
 The host fills a pinned slot (two slots, alternating, so filling step n+1 never races the copy of step n), and
-`launch` copies it with one non-blocking copy into a *fixed* device buffer. Graphs only ever read the fixed
-device buffers: a graph that read the pinned slot directly would read the wrong slot every other step.
+`launch` copies it with one non-blocking copy into a *fixed* device buffer (a one-program kernel reading the
+pinned slot, host_copy.py). Graphs only ever read the fixed device buffers: a graph that read the pinned slot
+directly would read the wrong slot every other step.
 
 Graph modes (Config.graph):
 - eager: no graphs.
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from reference_engine.config import Config
+from reference_engine.host_copy import copy_to
 from reference_engine.model import AttentionMetadata
 from reference_engine.sampler import sample
 
@@ -174,7 +176,7 @@ class StepRunner:
         cu_seqlens = inputs["cu_seqlens"]
         count = len(cu_seqlens) - 1
         meta = self.buffers.prefill_meta[:count]
-        meta.copy_(self.buffers.host_meta[inputs["slot"]][:count], non_blocking=True)
+        copy_to(meta, self.buffers.host_meta[inputs["slot"]][:count])
         ids, positions, slots = (
             inputs[k].to(device, non_blocking=True) for k in ("ids", "positions", "slot_mapping")
         )
@@ -187,9 +189,7 @@ class StepRunner:
     def decode(self, inputs: dict) -> bool:
         """Run one decode step over the padded batch. Returns True when a graph replay served it."""
         size, greedy_only = inputs["padded"], inputs["greedy_only"]
-        self.buffers.decode_meta[:size].copy_(
-            self.buffers.host_meta[inputs["slot"]][:size], non_blocking=True
-        )
+        copy_to(self.buffers.decode_meta[:size], self.buffers.host_meta[inputs["slot"]][:size])
         if self.mode == "step":
             return self.graphs.run(("step", size, greedy_only), lambda: self._decode(size, greedy_only))
         return self._decode(size, greedy_only)

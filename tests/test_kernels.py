@@ -365,6 +365,29 @@ def test_step_ops_match_torch(rows, gen):
     assert not split_merge.counters_for(logits.device, "argmax tickets", 1).any()
 
 
+@pytest.mark.parametrize("n", [5, 1024, 2051])
+def test_host_copy(n):
+    """The step's metadata / token copy kernel over one or several programs (masked tail), and copy_to: on
+    CUDA through pinned host memory in both directions (the kernel where zero-copy works), elsewhere a plain
+    copy."""
+    from reference_engine.host_copy import copy_to
+    from reference_engine.kernels.step_ops import launch_copy
+
+    src = torch.arange(n, dtype=torch.int32, device=DEVICE) * 7 - 3
+    dst = torch.full((n + 3,), -1, dtype=torch.int32, device=DEVICE)
+    launch_copy(dst, src, n)
+    assert torch.equal(dst[:n], src) and (dst[n:] == -1).all()
+    pin = DEVICE == "cuda"
+    host = (torch.arange(n, dtype=torch.int64) * 11).pin_memory() if pin else torch.arange(n) * 11
+    dev = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    back = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+    copy_to(dev, host)
+    copy_to(back, dev)
+    if pin:
+        torch.cuda.synchronize()
+    assert torch.equal(back, host) and torch.equal(dev.cpu(), host)
+
+
 def _decode_setup(context: int, batch: int = 1):
     """The tiny model's weights and a random KV cache, and one decode step's metadata at `context` tokens
     (`batch` sequences over disjoint blocks)."""

@@ -9,6 +9,7 @@ over 152k logits) outside the 36 layers.
 - `embedding(weight, ids)`: weight[ids].
 - `argmax(logits)`: the first index of each row's maximum, split over SPLITS programs per row whose
   partials the last of them merges (a ticket per row, reset after), in split order: torch.argmax's answer.
+- `launch_copy(dst, src, n)`: dst[:n] = src[:n], either side pinned host memory (host_copy.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from reference_engine.kernels.split_merge import counters_for, last_to_arrive
 
 _ARGMAX_BLOCK = 2048  # logits per load
 _ARGMAX_PROGRAMS = 128  # programs over the whole batch (an H200 has 132 SMs)
+_COPY_BLOCK = 1024
 
 
 @triton.jit
@@ -130,3 +132,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     _argmax_kernel[(rows, splits)](logits, out, part_val, part_idx, tickets, vocab, logits.stride(0), chunk,
                                    SPLITS=splits, BLOCK=_ARGMAX_BLOCK, num_warps=8)
     return out
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def launch_copy(dst, src, n: int) -> None:
+    """dst[:n] = src[:n] in one launch: tensors, or pinned host tensors wrapped as host_copy._Mapped."""
+    _copy_kernel[(triton.cdiv(n, _COPY_BLOCK),)](src, dst, n, BLOCK=_COPY_BLOCK, num_warps=4)
