@@ -245,6 +245,9 @@ class StepRunner:
         self.static_logits[size] = self.model.compute_logits(hidden)
 
     def _sample_and_store(self, meta: torch.Tensor, logits: torch.Tensor, greedy_only: bool) -> None:
+        if greedy_only:  # argmax and bookkeeping in one launch (Triton): 3 fewer kernels a step
+            self.model.ops.greedy_store(logits, meta[:, META_SLOT], self.buffers.tokens, self.buffers.sampled)
+            return
         tokens = sample(
             logits,
             temperature=meta[:, META_TEMPERATURE].view(torch.float32),

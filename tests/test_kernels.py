@@ -363,6 +363,20 @@ def test_step_ops_match_torch(rows, gen):
     assert got.dtype == torch.int64 and torch.equal(got, REF.argmax(logits))
     assert got[0] == 77
     assert not split_merge.counters_for(logits.device, "argmax tickets", 1).any()
+    # The same argmax storing a greedy step's bookkeeping: tokens[slot] and sampled, slots a strided column.
+    slots = meta[:, 0]
+    stores = []
+    for ops in (TRITON, REF):
+        tokens_buf = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+        sampled = torch.full((4,), -1, dtype=torch.int64, device=DEVICE)
+        ops.greedy_store(logits, slots, tokens_buf, sampled)
+        stores.append((tokens_buf, sampled))
+    (tok, smp), (ref_tok, ref_smp) = stores
+    want_ids = REF.argmax(logits)
+    assert torch.equal(tok, ref_tok) and torch.equal(smp, ref_smp)
+    assert torch.equal(smp[:rows], want_ids) and (smp[rows:] == -1).all()
+    assert torch.equal(tok[slots.long()], want_ids) and (tok >= 0).sum() == rows
+    assert not split_merge.counters_for(logits.device, "argmax tickets", 1).any()
 
 
 @pytest.mark.parametrize("n", [5, 1024, 2051])

@@ -30,7 +30,8 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
 
 - decode_inputs(meta, tokens, *, block_size, slot_col, position_col, blocks_col) -> (ids, positions,
   slot_mapping, seq_lens): a decode step's inputs from its metadata rows; embedding(weight, ids);
-  argmax(logits) -> int64 [B] (first index of the maximum). One launch each in Triton (step_ops.py).
+  argmax(logits) -> int64 [B] (first index of the maximum); greedy_store(logits, slots, tokens, sampled): the
+  argmax into sampled[row] and tokens[slots[row]]. One launch each in Triton (step_ops.py).
 
 Triton is imported only when asked for, so the torch path works where Triton is missing.
 """
@@ -64,6 +65,7 @@ class Kernels:
     decode_inputs: Callable
     embedding: Callable
     argmax: Callable
+    greedy_store: Callable
 
 
 # Where each op of the Triton set lives (imported only when asked for).
@@ -82,6 +84,7 @@ _TRITON_HOMES = {
     "decode_inputs": "step_ops",
     "embedding": "step_ops",
     "argmax": "step_ops",
+    "greedy_store": "step_ops",
 }
 
 

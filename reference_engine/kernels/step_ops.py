@@ -9,6 +9,8 @@ over 152k logits) outside the 36 layers.
 - `embedding(weight, ids)`: weight[ids].
 - `argmax(logits)`: the first index of each row's maximum, split over SPLITS programs per row whose
   partials the last of them merges (a ticket per row, reset after), in split order: torch.argmax's answer.
+- `greedy_store(logits, slots, tokens, sampled)`: the same argmax, its merging program also storing the
+  step's bookkeeping (three fewer launches after a greedy step's LM head).
 - `launch_copy(dst, src, n)`: dst[:n] = src[:n], either side pinned host memory (host_copy.py).
 """
 
@@ -88,7 +90,8 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, tickets_ptr, vocab, stride_l, chunk,
-                   SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                   slots_ptr, tokens_ptr, stride_slot, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                   STORE: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -112,26 +115,45 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, tickets_ptr,
         idxs = tl.load(part_idx_ptr + row * SPLITS + s, cache_modifier=".cg")
         top = tl.max(vals, axis=0)
         # Splits cover increasing index ranges, so the smallest index among equal maxima is the first.
-        tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, vocab), axis=0).to(tl.int64))
+        token = tl.min(tl.where(vals == top, idxs, vocab), axis=0).to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if STORE:  # the step's bookkeeping: the row's sequence slot gets its next input token
+            tl.store(tokens_ptr + tl.load(slots_ptr + row * stride_slot), token)
         tl.atomic_xchg(tickets_ptr + row, 0)  # ready for the next launch (graph replays reuse it)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Same contract as torch_ref.argmax: int64 [B], the first index of each row's maximum (fp32 logits
     [B, V]; NaN-free, as the LM head gives them)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _launch_argmax(logits, out, None, None)
+    return out
+
+
+def greedy_store(
+    logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, sampled: torch.Tensor
+) -> None:
+    """Same contract as torch_ref.greedy_store, in the argmax's one launch (its merging program stores)."""
+    assert sampled.is_contiguous() and tokens.is_contiguous()
+    _launch_argmax(logits, sampled, slots, tokens)
+
+
+def _launch_argmax(logits, out, slots, tokens) -> None:
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     # A power of two (the merge loads all partials as one tile), ~_ARGMAX_PROGRAMS programs in all.
     splits = min(64, triton.next_power_of_2(max(1, _ARGMAX_PROGRAMS // max(rows, 1))),
                  triton.next_power_of_2(triton.cdiv(vocab, _ARGMAX_BLOCK)))
     chunk = triton.cdiv(triton.cdiv(vocab, splits), _ARGMAX_BLOCK) * _ARGMAX_BLOCK
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     part_val = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     tickets = counters_for(logits.device, "argmax tickets", rows)
-    _argmax_kernel[(rows, splits)](logits, out, part_val, part_idx, tickets, vocab, logits.stride(0), chunk,
-                                   SPLITS=splits, BLOCK=_ARGMAX_BLOCK, num_warps=8)
-    return out
+    store = slots is not None
+    _argmax_kernel[(rows, splits)](
+        logits, out, part_val, part_idx, tickets, vocab, logits.stride(0), chunk,
+        slots if store else tickets, tokens if store else out, slots.stride(0) if store else 0,
+        SPLITS=splits, BLOCK=_ARGMAX_BLOCK, STORE=store, num_warps=8,
+    )
 
 
 @triton.jit

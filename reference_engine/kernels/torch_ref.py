@@ -224,6 +224,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def greedy_store(
+    logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, sampled: torch.Tensor
+) -> None:
+    """A greedy step's sampling and bookkeeping: each row's argmax into sampled[row] and into
+    tokens[slots[row]] (the slot's next input token; slots int [B], any stride)."""
+    ids = argmax(logits)
+    tokens.index_copy_(0, slots.long(), ids)
+    sampled[: ids.shape[0]].copy_(ids)
+
+
 def decode_layers(
     x: torch.Tensor, stack: LayerStack, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *, num_q_heads: int,
