@@ -2,7 +2,7 @@
 
 fused_mlp.py made a layer two launches (attention, then the rest). Here the whole stack is one grid: no
 launch boundary drains the GPU between layers (with the dependencies skipped, the weights stream at 46 us a
-qwen3-4b layer against 51.6 at a launch a layer), the step graph holds 8 kernels instead of 80, and an
+qwen3-4b layer against 51.6 at a launch a layer), the step graph holds 5 kernels instead of 77, and an
 eager step launches 36 x 2 fewer. Each program draws its role from a dispatch counter (in the order programs
 start), so it only waits for programs already running: no deadlock, whatever fits on the GPU. Per layer:
 
