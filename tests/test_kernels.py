@@ -481,6 +481,36 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
         assert_close(merged, ref, model.dtype, atol=1e-4)
 
 
+def test_decode_layers_trace(monkeypatch):
+    """The launch's trace (benchmarks/decode_layers.py --trace): the same output bits, every trace point of
+    every layer stamped once per launch, and the stamps in the order the dependencies force on any device:
+    o_proj's first wait ends after the last attention output is counted, gate_up ends after o_proj, down
+    after gate_up, and the next layer's qkv after down."""
+    from reference_engine.kernels import decode_layers
+    from reference_engine.kernels.layer_stack import LayerStack
+
+    model, caches, x, meta = _decode_setup(40)
+    cfg = model.config
+    stack = LayerStack.of(model.layers, caches)
+    args = (x, stack, meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], model.cos, model.sin,
+            model.scale)
+    heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+    plain = TRITON.decode_layers(*args, **heads)
+    trace, initial = decode_layers.new_trace(cfg.num_layers, x.device)
+    monkeypatch.setitem(decode_layers.OPTIONS, "trace", trace)
+    for _ in range(2):  # the caller re-arms the buffer before each launch
+        trace.copy_(initial)
+        assert torch.equal(TRITON.decode_layers(*args, **heads), plain)
+        t = decode_layers.read_trace(trace, cfg.num_layers)
+        names = [f"{kind} {name}" for name, kind in decode_layers.TRACE_EVENTS]
+        stamped = (t > 0) & (t < torch.iinfo(torch.int64).max)
+        assert stamped.all(), dict(zip(names, t.T.tolist(), strict=True))
+        counted, o_first, o_last, o_done, gate_up, down = (t[:, i] for i in range(2, 8))
+        assert (o_first > counted).all() and (o_last >= o_first).all() and (o_done > o_last).all()
+        assert (gate_up > o_done).all() and (down > gate_up).all()
+        assert (t[1:, 0] > down[:-1]).all()  # the next layer's last qkv tile
+
+
 def test_decode_layers_fall_back_to_a_launch_per_layer():
     """Two sequences, or layers the stack cannot offset (no q/k norm), run layer by layer: same function."""
     from reference_engine.kernels import decode_layers

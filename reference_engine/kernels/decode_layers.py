@@ -26,7 +26,10 @@ attention tile and one o_proj chunk, the interpreter gives the same bits). Each 
 activation buffers, so no SM's L1 can hold a line of an earlier layer's buffer at the same address. The last
 down tile of a layer resets that layer's flags (every reader of them has finished by then), the last of the
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
-launches must not run at once on one device (their programs would take each other's roles).
+launches must not run at once on one device (their programs would take each other's roles). With
+OPTIONS["trace"] set the launch also stamps, per layer, when its latest (or earliest) program passes each of
+TRACE_EVENTS (the GPU's global timer; a logical clock in the interpreter): see benchmarks/decode_layers.py
+--trace.
 
 On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 60.0-60.3 us at 170 tokens (62.9-63.3 at 1024) against
 64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.8-3.3
@@ -72,12 +75,46 @@ _O_WHOLE_BYTES = 256
 # Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong
 # results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them;
 # "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
-OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0}
+# "trace": an int64 tensor from new_trace() to stamp TRACE_EVENTS into (None: no trace code compiled in).
+OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
 _MERGE_CHUNK = 16
 _MERGE_GROUP = 16
+
+
+# Trace points (benchmarks/decode_layers.py --trace): per layer, the latest (or earliest) program past each.
+TRACE_EVENTS = (
+    ("qkv tile done", "latest"),
+    ("attention split past its wait", "latest"),
+    ("attention output counted for o_proj", "latest"),
+    ("o_proj tile past its wait", "earliest"),
+    ("o_proj tile past its wait", "latest"),
+    ("o_proj tile done", "latest"),
+    ("gate_up tile done", "latest"),
+    ("down tile done", "latest"),
+)
+_EVENTS = tl.constexpr(len(TRACE_EVENTS))
+
+
+@triton.jit
+def _stamp(trace_ptr, layer, EVENT: tl.constexpr, LATEST: tl.constexpr, TRACE: tl.constexpr,
+           GLOBAL_TIMER: tl.constexpr, layers):
+    """With TRACE, fold this program's time into the layer's EVENT slot (max or min): the GPU's global
+    timer (ns); under the interpreter, which runs no PTX, a logical clock (a counter after the slots)."""
+    if TRACE:
+        if GLOBAL_TIMER:
+            # (layer only gives the asm an operand: it reads none)
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [layer], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+        else:
+            now = tl.atomic_add(trace_ptr + layers * _EVENTS, 1).to(tl.int64) + 1
+        slot = trace_ptr + layer * _EVENTS + EVENT
+        if LATEST:
+            tl.atomic_max(slot, now)
+        else:
+            tl.atomic_min(slot, now)
 
 
 @triton.jit
@@ -132,6 +169,7 @@ def _decode_layers_kernel(
     Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
     FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr, SKIP: tl.constexpr,
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, A_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -181,6 +219,7 @@ def _decode_layers_kernel(
                        Q_STAGES, False, True, per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _count_done(qkv_flags + head)
+        _stamp(trace_ptr, layer, 0, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att:  # one split of one KV head's attention
         kv_head = (r - n_q) // NUM_SPLITS
         split = (r - n_q) % NUM_SPLITS
@@ -189,6 +228,7 @@ def _decode_layers_kernel(
             k_l = _at(k_cache0_ptr, table, 8, LAYERS)
             v_l = _at(v_cache0_ptr, table, 9, LAYERS)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
+            _stamp(trace_ptr, layer, 1, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
                 qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, tickets_ptr,
                 group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS),
@@ -201,6 +241,7 @@ def _decode_layers_kernel(
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
                     _count_done(attn_flags + kv_head * GROUP * HEAD_DIM // O_K + i)
+                _stamp(trace_ptr, layer, 2, True, TRACE, GLOBAL_TIMER, LAYERS)
                 # The merge ticket is zeroed only now, off the chain to o_proj (nothing reads it again in this
                 # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
                 tl.atomic_xchg(tickets_ptr + kv_head, 0)
@@ -214,6 +255,8 @@ def _decode_layers_kernel(
             kk = tl.arange(0, A_P2)
             w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < A, other=0.0)
             _wait_for(attn_flags, attn_chunk, FLAGS, NO_WAIT, A // O_K)
+            _stamp(trace_ptr, layer, 3, False, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, 4, True, TRACE, GLOBAL_TIMER, LAYERS)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
@@ -222,6 +265,7 @@ def _decode_layers_kernel(
                                O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
         tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
         _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
+        _stamp(trace_ptr, layer, 5, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
         rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
@@ -231,6 +275,7 @@ def _decode_layers_kernel(
                          True, True, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
+        _stamp(trace_ptr, layer, 6, True, TRACE, GLOBAL_TIMER, LAYERS)
     else:  # x_{l+1} = h + act @ w_down.T for D_N columns
         tile = r - n_q - n_att - n_o - n_gu
         col = tile * D_N + tl.arange(0, D_N)
@@ -241,6 +286,7 @@ def _decode_layers_kernel(
         tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
         if layer + 1 < LAYERS:
             _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
+        _stamp(trace_ptr, layer, 7, True, TRACE, GLOBAL_TIMER, LAYERS)
         _layer_done(sync_ptr, flags, n_d, layer == LAYERS - 1, FLAGS)
 
 
@@ -283,6 +329,20 @@ def decode_layers(
                    **heads)
 
 
+def new_trace(layers: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(trace, initial): a trace buffer for OPTIONS["trace"] and the values to copy into it before each launch
+    (the min slots start high, the max slots and the clock at 0)."""
+    initial = torch.zeros(layers * _EVENTS.value + 1, dtype=torch.int64, device=device)
+    latest = torch.tensor([kind == "latest" for _, kind in TRACE_EVENTS], device=device)
+    initial[:-1].view(layers, -1)[:, ~latest] = torch.iinfo(torch.int64).max
+    return initial.clone(), initial
+
+
+def read_trace(trace: torch.Tensor, layers: int) -> torch.Tensor:
+    """The stamped times [layers, len(TRACE_EVENTS)] (ns on the GPU, logical ticks under the interpreter)."""
+    return trace[:-1].view(layers, -1).cpu()
+
+
 def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin, scale, *, num_q_heads,
             num_kv_heads, eps, tiles: MlpTiles) -> torch.Tensor:
     layer = stack.layers[0]
@@ -315,6 +375,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
     o_whole = OPTIONS["o_proj_whole"] and (
         t.o_n * triton.next_power_of_2(attn_dim) * x.element_size() <= _O_WHOLE_BYTES * 32 * t.num_warps)
     dot_fp32 = attention.DOT_FP32_DEFAULT or INTERPRETED or x.dtype == torch.float32
+    trace = OPTIONS["trace"]
+    assert trace is None or trace.shape == (layers * _EVENTS.value + 1,)
     per_layer = (triton.cdiv(qkv_size, t.q_n) + num_kv_heads * num_splits + triton.cdiv(hidden, t.o_n)
                  + triton.cdiv(inter, t.gu_n) + triton.cdiv(hidden, t.d_n))
     _decode_layers_kernel[(layers * per_layer,)](
@@ -333,7 +395,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         D_N=t.d_n, D_K=t.d_k, D_STAGES=t.d_stages, Q_N=t.q_n, Q_K=t.q_k, Q_STAGES=t.q_stages,
         FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
         ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, A_P2=triton.next_power_of_2(attn_dim),
-        MERGE_CHUNK=_MERGE_CHUNK,
+        MERGE_CHUNK=_MERGE_CHUNK, trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
+        GLOBAL_TIMER=not INTERPRETED,
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]
