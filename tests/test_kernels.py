@@ -483,9 +483,10 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
 
 def test_decode_layers_trace(monkeypatch):
     """The launch's trace (benchmarks/decode_layers.py --trace): the same output bits, every trace point of
-    every layer stamped once per launch, and the stamps in the order the dependencies force on any device:
-    o_proj's first wait ends after the last attention output is counted, gate_up ends after o_proj, down
-    after gate_up, and the next layer's qkv after down."""
+    every layer stamped once per launch, and the stamps in the order the dependencies (or a program's own
+    order) force on any device: o_proj's first wait ends after the last attention output is counted and
+    after its weights arrived, which was after it drew its role; gate_up ends after o_proj, down after
+    gate_up, and the next layer's qkv after down."""
     from reference_engine.kernels import decode_layers
     from reference_engine.kernels.layer_stack import LayerStack
 
@@ -505,7 +506,8 @@ def test_decode_layers_trace(monkeypatch):
         names = [f"{kind} {name}" for name, kind in decode_layers.TRACE_EVENTS]
         stamped = (t > 0) & (t < torch.iinfo(torch.int64).max)
         assert stamped.all(), dict(zip(names, t.T.tolist(), strict=True))
-        counted, o_first, o_last, o_done, gate_up, down = (t[:, i] for i in range(2, 8))
+        counted, o_role, o_weights, o_first, o_last, o_done, gate_up, down = (t[:, i] for i in range(2, 10))
+        assert (o_weights > o_role).all() and (o_last > o_weights).all()
         assert (o_first > counted).all() and (o_last >= o_first).all() and (o_done > o_last).all()
         assert (gate_up > o_done).all() and (down > gate_up).all()
         assert (t[1:, 0] > down[:-1]).all()  # the next layer's last qkv tile

@@ -89,6 +89,8 @@ TRACE_EVENTS = (
     ("qkv tile done", "latest"),
     ("attention split past its wait", "latest"),
     ("attention output counted for o_proj", "latest"),
+    ("o_proj tile drew its role", "latest"),
+    ("o_proj tile's weights in registers", "latest"),
     ("o_proj tile past its wait", "earliest"),
     ("o_proj tile past its wait", "latest"),
     ("o_proj tile done", "latest"),
@@ -100,14 +102,15 @@ _EVENTS = tl.constexpr(len(TRACE_EVENTS))
 
 @triton.jit
 def _stamp(trace_ptr, layer, EVENT: tl.constexpr, LATEST: tl.constexpr, TRACE: tl.constexpr,
-           GLOBAL_TIMER: tl.constexpr, layers):
+           GLOBAL_TIMER: tl.constexpr, layers, after=0):
     """With TRACE, fold this program's time into the layer's EVENT slot (max or min): the GPU's global
-    timer (ns); under the interpreter, which runs no PTX, a logical clock (a counter after the slots)."""
+    timer (ns), read once `after` (an int32 the asm takes as an operand, so loads it depends on have
+    arrived) is known; under the interpreter, which runs no PTX, a logical clock (a counter after the
+    slots)."""
     if TRACE:
         if GLOBAL_TIMER:
-            # (layer only gives the asm an operand: it reads none)
-            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [layer], dtype=tl.int64,
-                                            is_pure=False, pack=1)
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [layer + after],
+                                            dtype=tl.int64, is_pure=False, pack=1)
         else:
             now = tl.atomic_add(trace_ptr + layers * _EVENTS, 1).to(tl.int64) + 1
         slot = trace_ptr + layer * _EVENTS + EVENT
@@ -246,6 +249,7 @@ def _decode_layers_kernel(
                 # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
                 tl.atomic_xchg(tickets_ptr + kv_head, 0)
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns
+        _stamp(trace_ptr, layer, 3, True, TRACE, GLOBAL_TIMER, LAYERS)
         col = (r - n_q - n_att) * O_N + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
@@ -254,9 +258,13 @@ def _decode_layers_kernel(
         if O_WHOLE:  # the tile's weights load while attention runs; then one pass once it is all done
             kk = tl.arange(0, A_P2)
             w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < A, other=0.0)
+            if TRACE:
+                # An operand the compiler cannot fold away, so the timer is read after the loads land.
+                _stamp(trace_ptr, layer, 4, True, TRACE, GLOBAL_TIMER, LAYERS,
+                       (tl.sum(w.to(tl.float32)) == 1234.5).to(tl.int32))
             _wait_for(attn_flags, attn_chunk, FLAGS, NO_WAIT, A // O_K)
-            _stamp(trace_ptr, layer, 3, False, TRACE, GLOBAL_TIMER, LAYERS)
-            _stamp(trace_ptr, layer, 4, True, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, 5, False, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, 6, True, TRACE, GLOBAL_TIMER, LAYERS)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
@@ -265,7 +273,7 @@ def _decode_layers_kernel(
                                O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
         tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
         _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
-        _stamp(trace_ptr, layer, 5, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, 7, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
         rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
@@ -275,7 +283,7 @@ def _decode_layers_kernel(
                          True, True, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
-        _stamp(trace_ptr, layer, 6, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, 8, True, TRACE, GLOBAL_TIMER, LAYERS)
     else:  # x_{l+1} = h + act @ w_down.T for D_N columns
         tile = r - n_q - n_att - n_o - n_gu
         col = tile * D_N + tl.arange(0, D_N)
@@ -286,7 +294,7 @@ def _decode_layers_kernel(
         tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
         if layer + 1 < LAYERS:
             _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
-        _stamp(trace_ptr, layer, 7, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, 9, True, TRACE, GLOBAL_TIMER, LAYERS)
         _layer_done(sync_ptr, flags, n_d, layer == LAYERS - 1, FLAGS)
 
 
