@@ -4,7 +4,8 @@
 
 Ways (each the residual stream after the last layer from the embedding, as `Qwen3Model.forward` runs it):
 `layers` one launch (decode_layers.py, the engine's default); `layers-o-walk` with o_proj walking its K chunks
-as attention fills them instead of holding its whole weight tile across attention; `layers-tile64` / `-tile16`
+as attention fills them instead of holding its whole weight tile across attention; `layers-o-pairs` with each
+o_proj program holding one tile across attention and streaming a second after it; `layers-tile64` / `-tile16`
 with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-gu3` with gate_up's 3-stage pipeline
 (the default before); `layers-128regs` capped at 128 registers a thread (4 programs an SM instead of 3, some
 spilled); `layers-no-wait` (`-128regs`) without its dependencies and `layers-skip-attention` without o_proj's
@@ -12,8 +13,8 @@ wait for attention (wrong results: what the waits cost); `o+mlp+qkv` two launche
 fused_mlp's launch), the default before. First checks that graph replays repeat the eager bits (the counters
 reset) and that the ways are about as close to the torch reference as the per-layer launches, then times
 CUDA-graph replays. Prints us per layer against the floor (the layers' weight bytes at the copy bandwidth
-measured here). `--trace` also prints when the default launch passes each of decode_layers.TRACE_EVENTS
-within a layer (a build with the GPU's global timer stamped at those points). Needs a GPU.
+measured here). `--trace` also prints when the default launch passes each of decode_layers.TRACE_EVENTS within
+a layer (a build with the GPU's global timer stamped at those points). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from reference_engine.model import Qwen3Model  # noqa: E402
 LAUNCH_OPTIONS = {
     "layers": {},
     "layers-o-walk": {"o_proj_whole": False},
+    "layers-o-pairs": {"o_proj_tiles": 2},
     "layers-gu3": {"mlp": {"gu_stages": 3}},
     "layers-128regs": {"maxnreg": 128},
     "layers-tile16": {"tile": 16},

@@ -464,6 +464,13 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
                 assert_close(v, v0, model.dtype)
     assert len(launches) == 6
     assert_close(per_layer, ref, model.dtype, atol=1e-4)
+    # o_proj programs of two tiles each (the second streamed after attention): the same sums, the same bits.
+    monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", True)
+    single = TRITON.decode_layers(*args, **heads)
+    monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_tiles", 2)
+    assert torch.equal(TRITON.decode_layers(*args, **heads), single)
+    assert not split_merge.counters_for(x.device, "decode layers", 0).any()
+    monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_tiles", 1)
     # o_proj K steps narrower than a KV head group: each group's attention counts on several chunks, and
     # o_proj waits for all of them (whole tile) or walks them.
     for whole in (True, False):

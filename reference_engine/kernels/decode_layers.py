@@ -76,7 +76,9 @@ _O_WHOLE_BYTES = 256
 # results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them;
 # "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
 # "trace": an int64 tensor from new_trace() to stamp TRACE_EVENTS into (None: no trace code compiled in).
-OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None}
+# "o_proj_tiles" 2: each o_proj program holds one weight tile across attention and streams a second after it,
+# so all of o_proj's roles are drawn while attention runs (not yet measured on the GPU).
+OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -171,14 +173,15 @@ def _decode_layers_kernel(
     D_N: tl.constexpr, D_K: tl.constexpr, D_STAGES: tl.constexpr,
     Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
     FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr, SKIP: tl.constexpr,
-    ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, A_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     n_q = tl.cdiv(QKV, Q_N)
     n_att = NUM_KV_HEADS * NUM_SPLITS
-    n_o = tl.cdiv(H, O_N)
+    n_o = tl.cdiv(H, O_N * O_TILES)
     n_gu = tl.cdiv(INTER, GU_N)
     n_d = tl.cdiv(H, D_N)
     per_layer = n_q + n_att + n_o + n_gu + n_d
@@ -248,9 +251,9 @@ def _decode_layers_kernel(
                 # The merge ticket is zeroed only now, off the chain to o_proj (nothing reads it again in this
                 # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
                 tl.atomic_xchg(tickets_ptr + kv_head, 0)
-    elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns
+    elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns (O_TILES tiles of them)
         _stamp(trace_ptr, layer, 3, True, TRACE, GLOBAL_TIMER, LAYERS)
-        col = (r - n_q - n_att) * O_N + tl.arange(0, O_N)
+        col = (r - n_q - n_att) * O_N * O_TILES + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
         if SKIP & 2:
@@ -266,13 +269,19 @@ def _decode_layers_kernel(
             _stamp(trace_ptr, layer, 5, False, TRACE, GLOBAL_TIMER, LAYERS)
             _stamp(trace_ptr, layer, 6, True, TRACE, GLOBAL_TIMER, LAYERS)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
-            h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+            for t in tl.static_range(O_TILES):
+                if t > 0:  # a later tile of this program streams after attention, with no role to draw
+                    col += O_N
+                    w = tl.load(w_rows + t * O_N * A + kk[None, :], mask=kk[None, :] < A, other=0.0)
+                h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+                tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
+                _count_done(h_flags + ((r - n_q - n_att) * O_TILES + t) * O_N // GU_K)
         else:
             h = _residual_cols(attn_l, w_rows + tl.arange(0, O_K)[None, :], x_ptr, col, attn_flags, A, H, O_N,
                                O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
-        tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
-        _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
+            tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
+            _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
         _stamp(trace_ptr, layer, 7, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
@@ -385,7 +394,10 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
     dot_fp32 = attention.DOT_FP32_DEFAULT or INTERPRETED or x.dtype == torch.float32
     trace = OPTIONS["trace"]
     assert trace is None or trace.shape == (layers * _EVENTS.value + 1,)
-    per_layer = (triton.cdiv(qkv_size, t.q_n) + num_kv_heads * num_splits + triton.cdiv(hidden, t.o_n)
+    # o_proj tiles a program (held whole: the first across attention, the rest streamed after it).
+    o_tiles = OPTIONS["o_proj_tiles"] if o_whole and hidden % (t.o_n * OPTIONS["o_proj_tiles"]) == 0 else 1
+    per_layer = (triton.cdiv(qkv_size, t.q_n) + num_kv_heads * num_splits
+                 + triton.cdiv(hidden, t.o_n * o_tiles)
                  + triton.cdiv(inter, t.gu_n) + triton.cdiv(hidden, t.d_n))
     _decode_layers_kernel[(layers * per_layer,)](
         x, xs, qkv, attn, h, act, sync, stack.offsets,
@@ -402,7 +414,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         O_N=t.o_n, O_K=t.o_k, O_STAGES=t.o_stages, GU_N=t.gu_n, GU_K=t.gu_k, GU_STAGES=t.gu_stages,
         D_N=t.d_n, D_K=t.d_k, D_STAGES=t.d_stages, Q_N=t.q_n, Q_K=t.q_k, Q_STAGES=t.q_stages,
         FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
-        ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, A_P2=triton.next_power_of_2(attn_dim),
+        ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, O_TILES=o_tiles,
+        A_P2=triton.next_power_of_2(attn_dim),
         MERGE_CHUNK=_MERGE_CHUNK, trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED,
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
