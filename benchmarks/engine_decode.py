@@ -44,8 +44,9 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "layer-launches": None,  # a launch per layer for attention and one for the rest (o_proj, MLP, next qkv)
     # the one launch with decode_layers.OPTIONS changed (_LAUNCH_OPTIONS):
     "o-walk": None,  # o_proj walks its K chunks as attention fills them (not holding its whole tile)
+    "o-pairs": None,  # each o_proj program holds one tile across attention and streams a second after it
 }
-_LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}}
+_LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}, "o-pairs": {"o_proj_tiles": 2}}
 _DECODE_LAYERS_OPTIONS = dict(decode_layers.OPTIONS)
 _LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off",
                "layer-launches": "o+mlp+qkv"}
