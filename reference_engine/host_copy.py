@@ -53,13 +53,13 @@ def _zero_copy_works(device: torch.device) -> bool:
 
 def copy_to(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src, non_blocking=True) for contiguous tensors of one dtype and size, one of them on CUDA and
-    the other pinned host memory: as a kernel on the current stream where zero-copy works."""
-    on_device = dst if dst.is_cuda else src
-    if dst.is_cuda == src.is_cuda or not on_device.is_cuda:
+    the other pinned host memory (the engine's slots; pageable memory would fault the kernel): as a kernel on
+    the current stream where zero-copy works."""
+    if dst.is_cuda == src.is_cuda:  # CPU to CPU (the engine on CPU), or device to device
         dst.copy_(src, non_blocking=True)
         return
     if "on" not in _STATE:
-        _STATE["on"] = _zero_copy_works(on_device.device)
+        _STATE["on"] = _zero_copy_works((dst if dst.is_cuda else src).device)
     if not _STATE["on"]:
         dst.copy_(src, non_blocking=True)
         return
