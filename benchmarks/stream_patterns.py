@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from layer_tail import read_rate  # noqa: E402  (this directory is on sys.path when run as a script)
 
 HIDDEN, INTER, ATTN, QKV, LAYERS = 2560, 9728, 4096, 6144, 36
-# (rows, K step, stages) a tile, as MlpTiles(); o_proj loads its whole [4, ATTN] tile at once.
-Q_N, Q_K, Q_ST = 16, 512, 3
-O_N = 4
-GU_N, GU_K, GU_ST = 16, 256, 3
-D_N, D_K, D_ST = 8, 512, 4
+# (rows, K step, stages) a tile, as MlpTiles() (gate_up at 3 stages, the engine's when this was measured; 5
+# since); o_proj loads its whole [O_N, ATTN] tile at once. Read by the kernels below.
+Q_N, Q_K, Q_ST = tl.constexpr(16), tl.constexpr(512), tl.constexpr(3)
+O_N = tl.constexpr(4)
+GU_N, GU_K, GU_ST = tl.constexpr(16), tl.constexpr(256), tl.constexpr(3)
+D_N, D_K, D_ST = tl.constexpr(8), tl.constexpr(512), tl.constexpr(4)
 
 
 @triton.jit
@@ -73,33 +74,34 @@ def _tile(w_ptr, a_ptr, t, K, up_offset, N: tl.constexpr, STEP: tl.constexpr, ST
 def _role(wq, wo, wgu, wd, a_ptr, out_ptr, vid, H: tl.constexpr, INTER: tl.constexpr, A: tl.constexpr,
           QKV: tl.constexpr, MAJOR: tl.constexpr, MATH: tl.constexpr):
     """Tile `vid` of the stack, in the engine's order within a layer: qkv, o_proj, gate_up, down."""
-    n_q: tl.constexpr = QKV // 16
-    n_o: tl.constexpr = H // 4
-    n_gu: tl.constexpr = INTER // 16
-    n_d: tl.constexpr = H // 8
+    n_q: tl.constexpr = QKV // Q_N
+    n_o: tl.constexpr = H // O_N
+    n_gu: tl.constexpr = INTER // GU_N
+    n_d: tl.constexpr = H // D_N
     per_layer: tl.constexpr = n_q + n_o + n_gu + n_d
     layer = vid // per_layer
     r = vid % per_layer
     if r < n_q:
-        yq = _tile(wq + layer.to(tl.int64) * QKV * H, a_ptr, r, H, 0, 16, 512, 3, False, MAJOR, MATH)
-        tl.store(out_ptr + vid * 16 + tl.arange(0, 16), yq)
+        yq = _tile(wq + layer.to(tl.int64) * QKV * H, a_ptr, r, H, 0, Q_N, Q_K, Q_ST, False, MAJOR, MATH)
+        tl.store(out_ptr + vid * 16 + tl.arange(0, Q_N), yq)
     elif r < n_q + n_o:
         t = r - n_q
-        cols = tl.arange(0, 4096)
-        rows = (t * 4 + tl.arange(0, 4)).to(tl.int64)
+        cols = tl.arange(0, A)
+        rows = (t * O_N + tl.arange(0, O_N)).to(tl.int64)
         w = tl.load(wo + layer.to(tl.int64) * H * A + rows[:, None] * A + cols[None, :]).to(tl.float32)
         if MATH:
             w = w * tl.load(a_ptr + cols).to(tl.float32)[None, :]
-        tl.store(out_ptr + vid * 16 + tl.arange(0, 4), tl.sum(w, axis=1))
+        tl.store(out_ptr + vid * 16 + tl.arange(0, O_N), tl.sum(w, axis=1))
     elif r < n_q + n_o + n_gu:
         t = r - n_q - n_o
-        yg = _tile(wgu + layer.to(tl.int64) * 2 * INTER * H, a_ptr, t, H, INTER * H, 16, 256, 3, True, MAJOR,
-                   MATH)
-        tl.store(out_ptr + vid * 16 + tl.arange(0, 16), yg)
+        yg = _tile(wgu + layer.to(tl.int64) * 2 * INTER * H, a_ptr, t, H, INTER * H, GU_N, GU_K, GU_ST, True,
+                   MAJOR, MATH)
+        tl.store(out_ptr + vid * 16 + tl.arange(0, GU_N), yg)
     else:
         t = r - n_q - n_o - n_gu
-        yd = _tile(wd + layer.to(tl.int64) * H * INTER, a_ptr, t, INTER, 0, 8, 512, 4, False, MAJOR, MATH)
-        tl.store(out_ptr + vid * 16 + tl.arange(0, 8), yd)
+        yd = _tile(wd + layer.to(tl.int64) * H * INTER, a_ptr, t, INTER, 0, D_N, D_K, D_ST, False, MAJOR,
+                   MATH)
+        tl.store(out_ptr + vid * 16 + tl.arange(0, D_N), yd)
 
 
 @triton.jit
@@ -109,8 +111,8 @@ def _stream_kernel(wq, wo, wgu, wd, a_ptr, out_ptr, sync_ptr, total, H: tl.const
                    COUNT: tl.constexpr):
     if PAD > 0:  # a branch never taken whose pipelined loop reserves shared memory: PAD 5 holds 3 programs
         if total < 0:  # an SM, 6 holds 2
-            yp = _tile(wq, a_ptr, total, 4096, 0, 16, 512, PAD, False, False, True)
-            tl.store(out_ptr + tl.arange(0, 16), yp)
+            yp = _tile(wq, a_ptr, total, 4096, 0, Q_N, Q_K, PAD, False, False, True)
+            tl.store(out_ptr + tl.arange(0, Q_N), yp)
     if PERSISTENT:
         for vid in range(tl.program_id(0), total, tl.num_programs(0)):
             _role(wq, wo, wgu, wd, a_ptr, out_ptr, vid, H, INTER, A, QKV, MAJOR, MATH)
