@@ -100,6 +100,9 @@ TRACE_EVENTS = (
     ("down tile done", "latest"),
 )
 _EVENTS = tl.constexpr(len(TRACE_EVENTS))
+# Their slots, in TRACE_EVENTS' order.
+(_QKV_DONE, _ATTENTION_WAITED, _ATTENTION_COUNTED, _O_ROLE, _O_WEIGHTS, _O_WAITED_FIRST, _O_WAITED, _O_DONE,
+ _GATE_UP_DONE, _DOWN_DONE) = (tl.constexpr(i) for i in range(len(TRACE_EVENTS)))
 
 
 @triton.jit
@@ -225,7 +228,7 @@ def _decode_layers_kernel(
                        Q_STAGES, False, True, per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _count_done(qkv_flags + head)
-        _stamp(trace_ptr, layer, 0, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _QKV_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att:  # one split of one KV head's attention
         kv_head = (r - n_q) // NUM_SPLITS
         split = (r - n_q) % NUM_SPLITS
@@ -234,7 +237,7 @@ def _decode_layers_kernel(
             k_l = _at(k_cache0_ptr, table, 8, LAYERS)
             v_l = _at(v_cache0_ptr, table, 9, LAYERS)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
-            _stamp(trace_ptr, layer, 1, True, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
                 qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, tickets_ptr,
                 group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS),
@@ -247,12 +250,12 @@ def _decode_layers_kernel(
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
                     _count_done(attn_flags + kv_head * GROUP * HEAD_DIM // O_K + i)
-                _stamp(trace_ptr, layer, 2, True, TRACE, GLOBAL_TIMER, LAYERS)
+                _stamp(trace_ptr, layer, _ATTENTION_COUNTED, True, TRACE, GLOBAL_TIMER, LAYERS)
                 # The merge ticket is zeroed only now, off the chain to o_proj (nothing reads it again in this
                 # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
                 tl.atomic_xchg(tickets_ptr + kv_head, 0)
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns (O_TILES tiles of them)
-        _stamp(trace_ptr, layer, 3, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         col = (r - n_q - n_att) * O_N * O_TILES + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
@@ -263,11 +266,11 @@ def _decode_layers_kernel(
             w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < A, other=0.0)
             if TRACE:
                 # An operand the compiler cannot fold away, so the timer is read after the loads land.
-                _stamp(trace_ptr, layer, 4, True, TRACE, GLOBAL_TIMER, LAYERS,
+                _stamp(trace_ptr, layer, _O_WEIGHTS, True, TRACE, GLOBAL_TIMER, LAYERS,
                        (tl.sum(w.to(tl.float32)) == 1234.5).to(tl.int32))
             _wait_for(attn_flags, attn_chunk, FLAGS, NO_WAIT, A // O_K)
-            _stamp(trace_ptr, layer, 5, False, TRACE, GLOBAL_TIMER, LAYERS)
-            _stamp(trace_ptr, layer, 6, True, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, _O_WAITED_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
+            _stamp(trace_ptr, layer, _O_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             for t in tl.static_range(O_TILES):
                 if t > 0:  # a later tile of this program streams after attention, with no role to draw
@@ -282,7 +285,7 @@ def _decode_layers_kernel(
                                O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
             tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
             _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
-        _stamp(trace_ptr, layer, 7, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _O_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
         rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
@@ -292,7 +295,7 @@ def _decode_layers_kernel(
                          True, True, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
-        _stamp(trace_ptr, layer, 8, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _GATE_UP_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     else:  # x_{l+1} = h + act @ w_down.T for D_N columns
         tile = r - n_q - n_att - n_o - n_gu
         col = tile * D_N + tl.arange(0, D_N)
@@ -303,7 +306,7 @@ def _decode_layers_kernel(
         tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
         if layer + 1 < LAYERS:
             _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
-        _stamp(trace_ptr, layer, 9, True, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _DOWN_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
         _layer_done(sync_ptr, flags, n_d, layer == LAYERS - 1, FLAGS)
 
 
