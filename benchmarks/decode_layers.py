@@ -13,8 +13,9 @@ wait for attention (wrong results: what the waits cost); `o+mlp+qkv` two launche
 fused_mlp's launch), the default before. First checks that graph replays repeat the eager bits (the counters
 reset) and that the ways are about as close to the torch reference as the per-layer launches, then times
 CUDA-graph replays. Prints us per layer against the floor (the layers' weight bytes at the copy bandwidth
-measured here). `--trace` also prints when the default launch passes each of decode_layers.TRACE_EVENTS within
-a layer (a build with the GPU's global timer stamped at those points). Needs a GPU.
+measured here). `--trace` also prints when each one-launch way asked (but those skipping dependencies) passes
+each of decode_layers.TRACE_EVENTS within a layer (a build with the GPU's global timer stamped at those
+points). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -101,13 +102,14 @@ def time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def trace_layers(model: Qwen3Model, stack: LayerStack, x: torch.Tensor, meta: dict, replays: int) -> None:
-    """Prints, for the default launch, when each trace point is passed (decode_layers.TRACE_EVENTS: the
+def trace_layers(way: str, model: Qwen3Model, stack: LayerStack, x: torch.Tensor, meta: dict,
+                 replays: int) -> None:
+    """Prints, for the one launch `way`, when each trace point is passed (decode_layers.TRACE_EVENTS: the
     GPU's global timer, the latest or earliest program of the layer), in us after the layer's last qkv tile:
     medians over the middle layers of `replays` graph replays, and the layer's time traced."""
     cfg = model.config
     trace, initial = decode_layers.new_trace(cfg.num_layers, x.device)
-    run = way_runner("layers", model, stack, x, meta)
+    run = way_runner(way, model, stack, x, meta)
 
     def traced() -> torch.Tensor:
         trace.copy_(initial)
@@ -119,16 +121,18 @@ def trace_layers(model: Qwen3Model, stack: LayerStack, x: torch.Tensor, meta: di
         samples = []
         for _ in range(replays):
             graph.replay()
-            t = decode_layers.read_trace(trace, cfg.num_layers).double() / 1e3  # us
+            stamps = decode_layers.read_trace(trace, cfg.num_layers)
+            unstamped = (stamps <= 0) | (stamps == torch.iinfo(torch.int64).max)  # a point this way skips
+            t = (stamps.double() / 1e3).masked_fill(unstamped, float("nan"))  # us
             # Each layer's points after its last qkv tile; the next layer's last qkv tile is the layer's time.
             rel = torch.cat([t[1:-2] - t[1:-2, :1], (t[2:-1, :1] - t[1:-2, :1])], dim=1)
             samples.append(rel)
     finally:
         decode_layers.OPTIONS["trace"] = None
-    median = torch.stack(samples).flatten(0, 1).median(dim=0).values
+    median = torch.stack(samples).flatten(0, 1).nanmedian(dim=0).values
     names = [f"{name} ({kind})" for name, kind in decode_layers.TRACE_EVENTS] + ["next layer's qkv tile done"]
     context = int(meta["seq_lens"][0])
-    print(f"\ntrace, context {context}: us after the layer's last qkv tile (median of layers "
+    print(f"\ntrace of {way}, context {context}: us after the layer's last qkv tile (median of layers "
           f"1-{cfg.num_layers - 3} over {replays} replays)")
     for name, us in zip(names, median.tolist(), strict=True):
         print(f"  {name:<50} {us:+8.1f}")
@@ -142,7 +146,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--trace", action="store_true",
-                        help="also trace the default launch's phases with the GPU's global timer")
+                        help="also trace the one-launch ways' phases with the GPU's global timer")
     args = parser.parse_args()
     ways = args.ways.split(",")
     if unknown := set(ways) - set(WAYS):
@@ -193,8 +197,9 @@ def main() -> None:
         for way, (graph, _) in graphs.items():
             us = time_graph(graph, args.replays) / cfg.num_layers
             rows.append((context, way, us))
-        if args.trace:
-            trace_layers(model, stack, x, meta, replays=20)
+        for way in ways if args.trace else ():
+            if way in LAUNCH_OPTIONS and way not in WRONG:
+                trace_layers(way, model, stack, x, meta, replays=20)
     print(f"\nfloor {floor_us:.1f} us a layer (weights at the copy bandwidth)")
     print(f"{'context':>8} {'way':<16} {'us/layer':>9} {'x floor':>8}")
     for context, way, us in rows:

@@ -77,7 +77,8 @@ _O_WHOLE_BYTES = 256
 # "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
 # "trace": an int64 tensor from new_trace() to stamp TRACE_EVENTS into (None: no trace code compiled in).
 # "o_proj_tiles" 2: each o_proj program holds one weight tile across attention and streams a second after it,
-# so all of o_proj's roles are drawn while attention runs (not yet measured on the GPU).
+# so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
+# and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
@@ -96,13 +97,17 @@ TRACE_EVENTS = (
     ("o_proj tile past its wait", "earliest"),
     ("o_proj tile past its wait", "latest"),
     ("o_proj tile done", "latest"),
+    ("gate_up tile drew its role", "earliest"),
+    ("gate_up tile drew its role", "latest"),
+    ("gate_up tile done", "earliest"),
     ("gate_up tile done", "latest"),
     ("down tile done", "latest"),
 )
 _EVENTS = tl.constexpr(len(TRACE_EVENTS))
 # Their slots, in TRACE_EVENTS' order.
 (_QKV_DONE, _ATTENTION_WAITED, _ATTENTION_COUNTED, _O_ROLE, _O_WEIGHTS, _O_WAITED_FIRST, _O_WAITED, _O_DONE,
- _GATE_UP_DONE, _DOWN_DONE) = (tl.constexpr(i) for i in range(len(TRACE_EVENTS)))
+ _GU_ROLE_FIRST, _GU_ROLE, _GATE_UP_DONE_FIRST, _GATE_UP_DONE,
+ _DOWN_DONE) = (tl.constexpr(i) for i in range(len(TRACE_EVENTS)))
 
 
 @triton.jit
@@ -287,6 +292,8 @@ def _decode_layers_kernel(
             _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
         _stamp(trace_ptr, layer, _O_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
+        _stamp(trace_ptr, layer, _GU_ROLE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
+        _stamp(trace_ptr, layer, _GU_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
         rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
         rows += tl.arange(0, GU_K)[None, :]
@@ -295,6 +302,7 @@ def _decode_layers_kernel(
                          True, True, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
+        _stamp(trace_ptr, layer, _GATE_UP_DONE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
         _stamp(trace_ptr, layer, _GATE_UP_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     else:  # x_{l+1} = h + act @ w_down.T for D_N columns
         tile = r - n_q - n_att - n_o - n_gu
