@@ -110,6 +110,7 @@ def _decode_split_kernel(
     if split >= active:
         return
     blocks = first_tile_blocks(block_tables_ptr, seq, stride_bt, start, end, BLOCK_SIZE, BLOCK_N)
+    slot = tl.load(slot_ptr + seq).to(tl.int64) if FROM_QKV else 0
     pdl_prologue(USE_PDL)
     attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -117,7 +118,8 @@ def _decode_split_kernel(
         eps, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_bt, stride_ob, stride_oh, seq, kv_head, split, tl.num_programs(1), seq_len, start, end, active,
         GROUP, HEAD_DIM, BLOCK_SIZE, NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, FROM_QKV,
-        NUM_Q_HEADS, GROUP_P2, MERGE_GROUP, NUM_GROUPS, FIRST_BLOCKS=True, first_blocks=blocks,
+        NUM_Q_HEADS, GROUP_P2, MERGE_GROUP, NUM_GROUPS, PREREAD=True, first_blocks=blocks,
+        slot_read=slot,
     )
 
 
@@ -125,7 +127,7 @@ def _decode_split_kernel(
 def first_tile_blocks(block_tables_ptr, seq, stride_bt, start, end, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     """The block numbers of a split's first tile (tokens [start, start + BLOCK_N), 0 from `end` on), for
-    `attend_split(FIRST_BLOCKS=True)`: the block table does not depend on this step's kernels."""
+    `attend_split(PREREAD=True)`: the block table does not depend on this step's kernels."""
     tokens = start + tl.arange(0, BLOCK_N)
     return tl.load(block_tables_ptr + seq * stride_bt + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
 
@@ -140,13 +142,14 @@ def attend_split(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
     MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, MERGE_CHUNK: tl.constexpr = 2,
-    RESET_TICKET: tl.constexpr = True, FIRST_BLOCKS: tl.constexpr = False, first_blocks=0,
+    RESET_TICKET: tl.constexpr = True, PREREAD: tl.constexpr = False, first_blocks=0, slot_read=0,
 ):
     """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
     program that stored the group's final output (the only split, or the last to arrive, which merged),
     else 0: decode_layers.py counts that output done for its consumers. Without RESET_TICKET the caller
-    zeroes the (seq, kv_head) ticket after that (off the chain to the consumers). With FIRST_BLOCKS the
-    caller read the first tile's block numbers (`first_tile_blocks`) before waiting for its input."""
+    zeroes the (seq, kv_head) ticket after that (off the chain to the consumers). With PREREAD the caller
+    read the step's metadata before waiting for its input: the first tile's block numbers
+    (`first_tile_blocks`) and the sequence's slot_mapping entry (`slot_read`, int64)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -161,7 +164,10 @@ def attend_split(
         q = norm_rope_heads(row + heads[:, None] * HEAD_DIM, q_norm_ptr, cos_ptr + pos * stride_cos,
                        sin_ptr + pos * stride_cos, mask_g[:, None], eps, HEAD_DIM, BLOCK_D // 2)
         if (start <= pos) & (pos < end):
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            if PREREAD:
+                slot = slot_read
+            else:
+                slot = tl.load(slot_ptr + seq).to(tl.int64)
             if slot >= 0:
                 one = offs_g < 1  # row 0 of a [BLOCK_G, D] tile: the one k/v head of this program
                 src = row + (NUM_Q_HEADS + kv_head + 0 * offs_g)[:, None] * HEAD_DIM
@@ -190,7 +196,7 @@ def attend_split(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n
         mask_n = tokens < end
-        if FIRST_BLOCKS and tile_start == start:
+        if PREREAD and tile_start == start:
             blocks = first_blocks
         else:
             blocks = tl.load(block_tables_ptr + seq * stride_bt + tokens // BLOCK_SIZE, mask=mask_n, other=0)

@@ -245,6 +245,7 @@ def _decode_layers_kernel(
             # tokens, 62.33 against 62.88 at 1024). Its keys and values too cost more than they save (their
             # registers, or the current token patched in: docs/benchmarks.md).
             blocks = first_tile_blocks(block_tables_ptr, 0, 0, start, end, BLOCK_SIZE, BLOCK_N)
+            slot = tl.load(slot_ptr).to(tl.int64)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
             _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
@@ -254,7 +255,7 @@ def _decode_layers_kernel(
                 HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, 0, A, HEAD_DIM, 0,
                 kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
                 NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
-                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks,
+                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot,
             )
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
