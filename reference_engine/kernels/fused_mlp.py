@@ -100,20 +100,29 @@ def _count_done(flag_ptr):
 @triton.jit
 def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.constexpr, K_STEP: tl.constexpr,
                  STAGES: tl.constexpr, NORM: tl.constexpr, UP: tl.constexpr, WAIT: tl.constexpr, per_chunk,
-                 FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
+                 FLAGS: tl.constexpr, NO_WAIT: tl.constexpr, res_ptrs=0, res_mask=0,
+                 RES: tl.constexpr = False):
     """The one-row FMA K loop both tile kinds share: (w @ a, with UP the same for the rows up_offset further,
-    and with NORM the sum of squares of src), where a = src, or with NORM (src * norm) rounded to src's dtype
-    (the 1/rms is the caller's, at the end). w_rows: [N, K_STEP] pointers at K offset 0. With WAIT the loop
-    walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills (per_chunk producer tiles a chunk; 0: src is
-    complete). skinny_gemm's FMA tile, the same sums in the same order."""
+    and with NORM the sum of squares of src, and with RES the residual at res_ptrs), where a = src, or with
+    NORM (src * norm) rounded to src's dtype (the 1/rms is the caller's, at the end). w_rows: [N, K_STEP]
+    pointers at K offset 0. With WAIT the loop walks src chunk by chunk (K_STEP wide) as `flags_ptr` fills
+    (per_chunk producer tiles a chunk; 0: src is complete). skinny_gemm's FMA tile, the same sums in the same
+    order. The residual is complete once one chunk of src is (its producers read all of it first), so it
+    loads then, while the chunks stream, not after the last one."""
     kk = tl.arange(0, K_STEP)
     acc = tl.zeros((N, K_STEP), dtype=tl.float32)
     acc_up = tl.zeros((N, K_STEP), dtype=tl.float32)
     sum_sq = 0.0
     chunks = K // K_STEP
     done = 0
+    ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
+    if RES:
+        while ready < 1:
+            ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
+        res = tl.load(res_ptrs, mask=res_mask, other=0.0).to(tl.float32)
+    else:
+        res = tl.zeros((N,), dtype=tl.float32)
     while done < chunks:
-        ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
         # The loads below come after the flag reads that allowed them (loop bounds), and no program reads a
         # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
         # look-ahead loads past `ready` are masked off).
@@ -127,7 +136,9 @@ def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.const
             if UP:
                 acc_up += tl.load(w_rows + k + up_offset).to(tl.float32) * a[None, :]
         done = ready
-    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), sum_sq
+        if done < chunks:
+            ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), sum_sq, res
 
 
 @triton.jit
@@ -137,8 +148,8 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
     """rmsnorm(src) @ w.T for the N weight rows `w_rows`, or with SILU silu(that) * (the same with the rows
     up_offset further), walking src as `_walk_chunks` does; the norm's 1/rms is applied at the end, so it
     needs no pass."""
-    dot, dot_up, sum_sq = _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N, K_STEP, STAGES,
-                                       True, SILU, WAIT, per_chunk, FLAGS, NO_WAIT)
+    dot, dot_up, sum_sq, _ = _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N, K_STEP,
+                                          STAGES, True, SILU, WAIT, per_chunk, FLAGS, NO_WAIT)
     inv_rms = tl.rsqrt(sum_sq / K + eps)
     y = dot * inv_rms
     if SILU:
@@ -152,9 +163,9 @@ def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constex
                    FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """res[col] + src @ w.T for the N weight rows `w_cols` (one per output column col), walking src as
     `_walk_chunks` does: skinny_gemm's one-row FMA tile with its residual epilogue."""
-    dot, _, _ = _walk_chunks(src_ptr, src_ptr, w_cols, 0, flags_ptr, K, N, K_STEP, STAGES, False, False, WAIT,
-                             per_chunk, FLAGS, NO_WAIT)
-    return dot + tl.load(res_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+    dot, _, _, res = _walk_chunks(src_ptr, src_ptr, w_cols, 0, flags_ptr, K, N, K_STEP, STAGES, False, False,
+                                  WAIT, per_chunk, FLAGS, NO_WAIT, res_ptr + col, col < H, True)
+    return dot + res
 
 
 @triton.jit
