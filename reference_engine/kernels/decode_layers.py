@@ -282,12 +282,13 @@ def _decode_layers_kernel(
             _stamp(trace_ptr, layer, _O_WAITED_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
             _stamp(trace_ptr, layer, _O_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
+            res = tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)  # in the same round trip as a
             for t in tl.static_range(O_TILES):
                 if t > 0:  # a later tile of this program streams after attention, with no role to draw
                     col += O_N
                     w = tl.load(w_rows + t * O_N * A + kk[None, :], mask=kk[None, :] < A, other=0.0)
-                h = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                h += tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+                    res = tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+                h = tl.sum(w.to(tl.float32) * a[None, :], axis=1) + res
                 tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
                 _count_done(h_flags + ((r - n_q - n_att) * O_TILES + t) * O_N // GU_K)
         else:
