@@ -241,9 +241,10 @@ def _decode_layers_kernel(
         if split < active:
             k_l = _at(k_cache0_ptr, table, 8, LAYERS)
             v_l = _at(v_cache0_ptr, table, 9, LAYERS)
-            # Off the chain: one round trip fewer after the wait (H200: 59.69 against 59.96 us a layer at 170
-            # tokens, 62.33 against 62.88 at 1024). Its keys and values too cost more than they save (their
-            # registers, or the current token patched in: docs/benchmarks.md).
+            # The step's metadata (the first tile's block numbers, the slot) read before the wait, off the
+            # chain (H200: 59.69 against 59.96 us a layer at 170 tokens, 62.33 against 62.88 at 1024). The
+            # tile's keys and values too cost more than they save (their registers, or the current token
+            # patched in: docs/benchmarks.md).
             blocks = first_tile_blocks(block_tables_ptr, 0, 0, start, end, BLOCK_SIZE, BLOCK_N)
             slot = tl.load(slot_ptr).to(tl.int64)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
