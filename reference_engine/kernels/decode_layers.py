@@ -266,7 +266,8 @@ def _decode_layers_kernel(
                 # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
                 tl.atomic_xchg(tickets_ptr + kv_head, 0)
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns (O_TILES tiles of them)
-        _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
+        if r == n_q + n_att + n_o - 1:  # roles are drawn in order: the last o_proj program draws last
+            _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         col = (r - n_q - n_att) * O_N * O_TILES + tl.arange(0, O_N)
         w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
@@ -299,8 +300,10 @@ def _decode_layers_kernel(
             _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
         _stamp(trace_ptr, layer, _O_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
-        _stamp(trace_ptr, layer, _GU_ROLE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
-        _stamp(trace_ptr, layer, _GU_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
+        if r == n_q + n_att + n_o:  # the first gate_up program draws first (no contended atomics)
+            _stamp(trace_ptr, layer, _GU_ROLE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
+        if r == n_q + n_att + n_o + n_gu - 1:
+            _stamp(trace_ptr, layer, _GU_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
         rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
         rows += tl.arange(0, GU_K)[None, :]
