@@ -49,7 +49,9 @@ def decode_inputs(
     meta: torch.Tensor, tokens: torch.Tensor, *, block_size: int, slot_col: int, position_col: int,
     blocks_col: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as torch_ref.decode_inputs."""
+    """Same contract as torch_ref.decode_inputs. Launched without PDL, and it never lets its dependents start
+    early: everything it writes is complete before any later kernel of the step begins, which is what lets
+    attention read seq_lens, slot_mapping and the block table before its own PDL wait (attention.py)."""
     rows = meta.shape[0]
     assert meta.stride(1) == 1 and tokens.is_contiguous()
     device = meta.device
