@@ -109,8 +109,8 @@ def _decode_split_kernel(
     seq_len, start, end, active = split_bounds(seq_lens_ptr, seq, split, BLOCK_N, NUM_SPLITS)
     if split >= active:
         return
-    blocks = first_tile_blocks(block_tables_ptr, seq, stride_bt, start, end, BLOCK_SIZE, BLOCK_N)
-    slot = tl.load(slot_ptr + seq).to(tl.int64) if FROM_QKV else 0
+    blocks, slot = read_step_metadata(block_tables_ptr, slot_ptr, seq, stride_bt, start, end, BLOCK_SIZE,
+                                      BLOCK_N)
     pdl_prologue(USE_PDL)
     attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -124,12 +124,21 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def first_tile_blocks(block_tables_ptr, seq, stride_bt, start, end, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """The block numbers of a split's first tile (tokens [start, start + BLOCK_N), 0 from `end` on), for
-    `attend_split(PREREAD=True)`: the block table does not depend on this step's kernels."""
-    tokens = start + tl.arange(0, BLOCK_N)
+def tile_blocks(block_tables_ptr, seq, stride_bt, tile_start, end, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The block numbers of tokens [tile_start, tile_start + BLOCK_N) of sequence `seq` (0 from `end` on)."""
+    tokens = tile_start + tl.arange(0, BLOCK_N)
     return tl.load(block_tables_ptr + seq * stride_bt + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+
+
+@triton.jit
+def read_step_metadata(block_tables_ptr, slot_ptr, seq, stride_bt, start, end, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """(block numbers of the split's first tile, the sequence's slot_mapping entry as int64) for
+    `attend_split(PREREAD=True)`: step metadata, which does not depend on this step's kernels, so a split
+    reads it before waiting for its input."""
+    blocks = tile_blocks(block_tables_ptr, seq, stride_bt, start, end, BLOCK_SIZE, BLOCK_N)
+    return blocks, tl.load(slot_ptr + seq).to(tl.int64)
 
 
 @triton.jit
@@ -148,8 +157,8 @@ def attend_split(
     program that stored the group's final output (the only split, or the last to arrive, which merged),
     else 0: decode_layers.py counts that output done for its consumers. Without RESET_TICKET the caller
     zeroes the (seq, kv_head) ticket after that (off the chain to the consumers). With PREREAD the caller
-    read the step's metadata before waiting for its input: the first tile's block numbers
-    (`first_tile_blocks`) and the sequence's slot_mapping entry (`slot_read`, int64)."""
+    read the step's metadata before waiting for its input (`read_step_metadata`): the first tile's block
+    numbers and the sequence's slot_mapping entry (`slot_read`, int64)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -199,7 +208,7 @@ def attend_split(
         if PREREAD and tile_start == start:
             blocks = first_blocks
         else:
-            blocks = tl.load(block_tables_ptr + seq * stride_bt + tokens // BLOCK_SIZE, mask=mask_n, other=0)
+            blocks = tile_blocks(block_tables_ptr, seq, stride_bt, tile_start, end, BLOCK_SIZE, BLOCK_N)
         within = tokens % BLOCK_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(

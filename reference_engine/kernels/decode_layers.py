@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from reference_engine.kernels import attention, fused_mlp
-from reference_engine.kernels.attention import attend_split, first_tile_blocks, split_bounds
+from reference_engine.kernels.attention import attend_split, read_step_metadata, split_bounds
 from reference_engine.kernels.fused_mlp import (
     MlpTiles,
     _chunks_ready,
@@ -245,8 +245,8 @@ def _decode_layers_kernel(
             # chain (H200: 59.69 against 59.96 us a layer at 170 tokens, 62.33 against 62.88 at 1024). The
             # tile's keys and values too cost more than they save (their registers, or the current token
             # patched in: docs/benchmarks.md).
-            blocks = first_tile_blocks(block_tables_ptr, 0, 0, start, end, BLOCK_SIZE, BLOCK_N)
-            slot = tl.load(slot_ptr).to(tl.int64)
+            blocks, slot = read_step_metadata(block_tables_ptr, slot_ptr, 0, 0, start, end, BLOCK_SIZE,
+                                              BLOCK_N)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
             _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
