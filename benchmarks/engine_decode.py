@@ -45,8 +45,10 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     # the one launch with decode_layers.OPTIONS changed (_LAUNCH_OPTIONS):
     "o-walk": None,  # o_proj walks its K chunks as attention fills them (not holding its whole tile)
     "o-pairs": None,  # each o_proj program holds one tile across attention and streams a second after it
+    "o-no-ahead": None,  # o_proj's first half does not ask L2 for the second half's weights
 }
-_LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}, "o-pairs": {"o_proj_tiles": 2}}
+_LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}, "o-pairs": {"o_proj_tiles": 2},
+                   "o-no-ahead": {"o_ahead": False}}
 _DECODE_LAYERS_OPTIONS = dict(decode_layers.OPTIONS)
 _LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off",
                "layer-launches": "o+mlp+qkv"}

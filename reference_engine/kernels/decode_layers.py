@@ -72,14 +72,16 @@ _TILES = MlpTiles(gu_stages=5)
 # Bytes of o_proj weights a thread may hold across attention (64 registers): the launch stays at 168 registers
 # (3 programs an SM; sm_90, triton 3.6), as without.
 _O_WHOLE_BYTES = 256
-# Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention (wrong
-# results: what that dependency costs); "o_proj_whole" False walks o_proj's K chunks as attention fills them;
+# Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention, 4 gate_up
+# for h, 8 down for act, 16 qkv for the layer's input (wrong results: what each dependency costs);
+# "o_proj_whole" False walks o_proj's K chunks as attention fills them;
 # "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
 # "trace": an int64 tensor from new_trace() to stamp TRACE_EVENTS into (None: no trace code compiled in).
 # "o_proj_tiles" 2: each o_proj program holds one weight tile across attention and streams a second after it,
 # so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
-OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1}
+# "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
+OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -128,6 +130,16 @@ def _stamp(trace_ptr, layer, EVENT: tl.constexpr, LATEST: tl.constexpr, TRACE: t
             tl.atomic_max(slot, now)
         else:
             tl.atomic_min(slot, now)
+
+
+@triton.jit
+def _bulk_prefetch_l2(ptr, BYTES: tl.constexpr):
+    """Ask L2 for BYTES bytes from ptr (16-byte aligned, a multiple of 16): one Hopper bulk prefetch,
+    issued by the program's thread 0 (no registers held, nothing waits for it). GPU only."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64), tl.full((), BYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -182,7 +194,7 @@ def _decode_layers_kernel(
     Q_N: tl.constexpr, Q_K: tl.constexpr, Q_STAGES: tl.constexpr,
     FLAGS: tl.constexpr, USE_PDL: tl.constexpr, NO_WAIT: tl.constexpr, SKIP: tl.constexpr,
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
@@ -230,7 +242,7 @@ def _decode_layers_kernel(
         if layer == 0:
             per_chunk = 0  # the embedding is complete
         y = _norm_rows(x_ptr, _at(in_norm0_ptr, table, 0, LAYERS), rows, 0, in_flags, H, eps, Q_N, Q_K,
-                       Q_STAGES, False, True, per_chunk, FLAGS, NO_WAIT)
+                       Q_STAGES, False, (SKIP & 16) == 0, per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _count_done(qkv_flags + head)
         _stamp(trace_ptr, layer, _QKV_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
@@ -283,6 +295,13 @@ def _decode_layers_kernel(
             _wait_for(attn_flags, attn_chunk, FLAGS, NO_WAIT, A // O_K)
             _stamp(trace_ptr, layer, _O_WAITED_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
             _stamp(trace_ptr, layer, _O_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
+            # The programs of the first half then ask L2 for the second half's tiles: the programs that did
+            # not fit beside attention's draw their roles only as these finish, and their loads otherwise
+            # queue behind gate_up's streams (H200: 58.85 against 59.10 us a layer at 170 tokens; before the
+            # wait the prefetch slows attention's chain: 59.62; docs/benchmarks.md).
+            ahead = (r - n_q - n_att) * O_TILES + (n_o * O_TILES) // 2
+            if O_AHEAD and (ahead < n_o * O_TILES):
+                _bulk_prefetch_l2(_at(wo0_ptr, table, 4, LAYERS) + ahead.to(tl.int64) * O_N * A, O_N * A * 2)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             res = tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)  # in the same round trip as a
             for t in tl.static_range(O_TILES):
@@ -309,7 +328,7 @@ def _decode_layers_kernel(
         rows += tl.arange(0, GU_K)[None, :]
         act = _norm_rows(h_l, _at(post_norm0_ptr, table, 5, LAYERS), rows, INTER * H, h_flags, H, eps, GU_N,
                          GU_K, GU_STAGES,
-                         True, True, GU_K // O_N, FLAGS, NO_WAIT)
+                         True, (SKIP & 4) == 0, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
         _stamp(trace_ptr, layer, _GATE_UP_DONE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
@@ -319,8 +338,8 @@ def _decode_layers_kernel(
         col = tile * D_N + tl.arange(0, D_N)
         w_cols = _at(wd0_ptr, table, 7, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * INTER
         w_cols += tl.arange(0, D_K)[None, :]
-        out = _residual_cols(act_l, w_cols, h_l, col, act_flags, INTER, H, D_N, D_K, D_STAGES, True,
-                             D_K // GU_N, FLAGS, NO_WAIT)
+        out = _residual_cols(act_l, w_cols, h_l, col, act_flags, INTER, H, D_N, D_K, D_STAGES,
+                             (SKIP & 8) == 0, D_K // GU_N, FLAGS, NO_WAIT)
         tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
         if layer + 1 < LAYERS:
             _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
@@ -437,7 +456,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         FLAGS=flags, USE_PDL=use_pdl, NO_WAIT=t.no_wait, SKIP=OPTIONS["skip"],
         ATT_CHUNKS=max(group * head_dim // t.o_k, 1), O_WHOLE=o_whole, O_TILES=o_tiles,
         A_P2=triton.next_power_of_2(attn_dim),
-        MERGE_CHUNK=_MERGE_CHUNK, trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
+        MERGE_CHUNK=_MERGE_CHUNK, O_AHEAD=OPTIONS["o_ahead"] and not INTERPRETED,
+        trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED,
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
