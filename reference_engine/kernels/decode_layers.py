@@ -31,11 +31,11 @@ OPTIONS["trace"] set the launch also stamps, per layer, when its latest (or earl
 TRACE_EVENTS (the GPU's global timer; a logical clock in the interpreter): see benchmarks/decode_layers.py
 --trace.
 
-On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 59.5 us at 170 tokens (62.2 at 1024) against
-64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.8-3.3
-ms (it was CPU-bound on its launches). Attention is a chain of dependent memory round trips (o_proj not
-waiting for it: 54.5 us); before o_proj held its weights across it (63.9 us) the HBM idled through it. Every
-phase edge leaves the next phase's last chunk to load after its producer finishes (no waits at all: 48).
+On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 59.3 us at 170 tokens (62.1 at 1024) against
+64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.7-3.3
+ms (it was CPU-bound on its launches). Attention is a chain of dependent memory round trips, and the one
+dependency that costs much (o_proj not waiting for it: 53.0 us); before o_proj held its weights across it
+(63.9 us) the HBM idled through it. Each other phase edge costs 0.4-1.1 us on its own (no waits at all: 49).
 """
 
 from __future__ import annotations
