@@ -281,7 +281,8 @@ def _decode_layers_kernel(
         if r == n_q + n_att + n_o - 1:  # roles are drawn in order: the last o_proj program draws last
             _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         col = (r - n_q - n_att) * O_N * O_TILES + tl.arange(0, O_N)
-        w_rows = _at(wo0_ptr, table, 4, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
+        wo_l = _at(wo0_ptr, table, 4, LAYERS)
+        w_rows = wo_l + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
         if SKIP & 2:
             attn_chunk = 0  # diagnostics: o_proj does not wait for attention (wrong results)
@@ -301,7 +302,7 @@ def _decode_layers_kernel(
             # wait the prefetch slows attention's chain: 59.62; docs/benchmarks.md).
             ahead = (r - n_q - n_att) * O_TILES + (n_o * O_TILES) // 2
             if O_AHEAD and (ahead < n_o * O_TILES):
-                _bulk_prefetch_l2(_at(wo0_ptr, table, 4, LAYERS) + ahead.to(tl.int64) * O_N * A, O_N * A * 2)
+                _bulk_prefetch_l2(wo_l + ahead.to(tl.int64) * O_N * A, O_N * A * 2)
             a = tl.load(attn_l + kk, mask=kk < A, other=0.0).to(tl.float32)
             res = tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)  # in the same round trip as a
             for t in tl.static_range(O_TILES):
