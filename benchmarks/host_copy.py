@@ -18,14 +18,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference_engine.host_copy import _Mapped  # noqa: E402
-from reference_engine.kernels.step_ops import launch_copy  # noqa: E402
+from reference_engine.host_copy import copy_to, zero_copy_available  # noqa: E402
 
 ITERATIONS = 300
 BUSY_CYCLES = 200_000  # ~100 us on an H200
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("host_copy.py: needs a CUDA GPU")
+    if not zero_copy_available(torch.device("cuda")):
+        sys.exit("host_copy.py: zero-copy kernels do not work here (copy_to falls back to DMA copies)")
     host_meta = torch.arange(70, dtype=torch.int32).pin_memory()
     dev_meta = torch.zeros(70, dtype=torch.int32, device="cuda")
     dev_out = torch.arange(8, dtype=torch.int64, device="cuda")
@@ -40,9 +43,9 @@ def main() -> None:
         host_out.copy_(dev_out, non_blocking=True)
 
     def zero_copy() -> None:
-        launch_copy(dev_meta, _Mapped(host_meta), host_meta.numel())
+        copy_to(dev_meta, host_meta)
         busy()
-        launch_copy(_Mapped(host_out), dev_out, dev_out.numel())
+        copy_to(host_out, dev_out)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

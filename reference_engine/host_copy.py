@@ -51,6 +51,13 @@ def _zero_copy_works(device: torch.device) -> bool:
         return False
 
 
+def zero_copy_available(device: torch.device) -> bool:
+    """Whether `copy_to` runs as a kernel on the pinned memory for `device` (checked once a process)."""
+    if "on" not in _STATE:
+        _STATE["on"] = _zero_copy_works(device)
+    return _STATE["on"]
+
+
 def copy_to(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src, non_blocking=True) for contiguous tensors of one dtype and size, one of them on CUDA and
     the other pinned host memory (the engine's slots; pageable memory would fault the kernel): as a kernel on
@@ -58,9 +65,7 @@ def copy_to(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.is_cuda == src.is_cuda:  # CPU to CPU (the engine on CPU), or device to device
         dst.copy_(src, non_blocking=True)
         return
-    if "on" not in _STATE:
-        _STATE["on"] = _zero_copy_works((dst if dst.is_cuda else src).device)
-    if not _STATE["on"]:
+    if not zero_copy_available((dst if dst.is_cuda else src).device):
         dst.copy_(src, non_blocking=True)
         return
     assert dst.dtype == src.dtype and dst.numel() == src.numel()

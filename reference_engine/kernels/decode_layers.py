@@ -159,6 +159,13 @@ def _wait_for(flags_ptr, count, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr, chun
 
 
 @triton.jit
+def _store_h(h_l, col, h, H, h_flags, tile, O_N: tl.constexpr, GU_K: tl.constexpr):
+    """Store o_proj tile `tile`'s columns of h and count it on the flag of gate_up's chunk holding them."""
+    tl.store(h_l + col, h.to(h_l.dtype.element_ty), mask=col < H)
+    _count_done(h_flags + tile * O_N // GU_K)
+
+
+@triton.jit
 def _layer_done(sync_ptr, flags_ptr, programs, last_layer, FLAGS: tl.constexpr):
     """Called by each down tile of a layer after its output is counted: the last of them zeroes the layer's
     flags (its readers all finished: each down tile read every act chunk, each gate_up tile every h chunk, and
@@ -311,13 +318,11 @@ def _decode_layers_kernel(
                     w = tl.load(w_rows + t * O_N * A + kk[None, :], mask=kk[None, :] < A, other=0.0)
                     res = tl.load(x_ptr + col, mask=col < H, other=0.0).to(tl.float32)
                 h = tl.sum(w.to(tl.float32) * a[None, :], axis=1) + res
-                tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
-                _count_done(h_flags + ((r - n_q - n_att) * O_TILES + t) * O_N // GU_K)
+                _store_h(h_l, col, h, H, h_flags, (r - n_q - n_att) * O_TILES + t, O_N, GU_K)
         else:
             h = _residual_cols(attn_l, w_rows + tl.arange(0, O_K)[None, :], x_ptr, col, attn_flags, A, H, O_N,
                                O_K, O_STAGES, True, attn_chunk, FLAGS, NO_WAIT)
-            tl.store(h_l + col, h.to(h_ptr.dtype.element_ty), mask=col < H)
-            _count_done(h_flags + (r - n_q - n_att) * O_N // GU_K)
+            _store_h(h_l, col, h, H, h_flags, r - n_q - n_att, O_N, GU_K)
         _stamp(trace_ptr, layer, _O_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
     elif r < n_q + n_att + n_o + n_gu:  # silu(rmsnorm(h) @ gate.T) * (rmsnorm(h) @ up.T) for GU_N rows
         if r == n_q + n_att + n_o:  # the first gate_up program draws first (no contended atomics)
