@@ -12,7 +12,7 @@ start), so it only waits for programs already running: no deadlock, whatever fit
 - attention splits (attention.py's `attend_split`: q/k norm, RoPE, cache write, flash-decoding with the merge
   in the last split, up to 16 splits in one level and one round trip): each waits for its KV head's qkv rows;
   the program that stores the head group's output counts on the flag of its o_proj chunk, then zeroes the
-  merge ticket;
+  merge ticket (each layer has its own);
 - o_proj tiles load their whole weight tile (O_N x attention width) before waiting for attention, so the HBM
   streams o_proj while attention's chain of round trips runs; then one pass over the attention output;
 - gate_up + SiLU and down tiles as in fused_mlp.py, chained through per-chunk flags; down writes x_{l+1}
@@ -57,7 +57,7 @@ from reference_engine.kernels.fused_mlp import (
 )
 from reference_engine.kernels.layer_stack import KINDS, LayerStack, run_layers
 from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prologue
-from reference_engine.kernels.split_merge import counters_for, last_to_arrive
+from reference_engine.kernels.split_merge import counters_for, last_to_arrive, tickets_for
 
 # Attention tokens per loop trip: at 64 (the per-layer kernel's) the launch needs 185 registers a thread (2
 # programs an SM), at 32 168 (3, as the GEMM phases alone; sm_90, triton 3.6); 16 is slower again (H200:
@@ -258,6 +258,7 @@ def _decode_layers_kernel(
         split = (r - n_q) % NUM_SPLITS
         seq_len, start, end, active = split_bounds(seq_lens_ptr, 0, split, BLOCK_N, NUM_SPLITS)
         if split < active:
+            layer_tickets = tickets_ptr + layer * NUM_KV_HEADS  # merge tickets: a set per layer
             k_l = _at(k_cache0_ptr, table, 8, LAYERS)
             v_l = _at(v_cache0_ptr, table, 9, LAYERS)
             # The step's metadata (the first tile's block numbers, the slot) read before the wait, off the
@@ -269,7 +270,7 @@ def _decode_layers_kernel(
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
             _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
-                qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, tickets_ptr,
+                qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, layer_tickets,
                 group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS),
                 _at(k_norm0_ptr, table, 3, LAYERS), cos_ptr, sin_ptr, slot_ptr, stride_cos, eps, QKV,
                 HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, 0, A, HEAD_DIM, 0,
@@ -281,9 +282,11 @@ def _decode_layers_kernel(
                 for i in tl.static_range(ATT_CHUNKS):
                     _count_done(attn_flags + kv_head * GROUP * HEAD_DIM // O_K + i)
                 _stamp(trace_ptr, layer, _ATTENTION_COUNTED, True, TRACE, GLOBAL_TIMER, LAYERS)
-                # The merge ticket is zeroed only now, off the chain to o_proj (nothing reads it again in this
-                # launch): 60.7 / 63.5 against 61.2 / 64.0 us a layer at 170 / 1024 tokens (H200).
-                tl.atomic_xchg(tickets_ptr + kv_head, 0)
+                # The merge ticket is zeroed only now, off the chain to o_proj: 60.7 / 63.5 against 61.2 /
+                # 64.0 us a layer at 170 / 1024 tokens (H200). Each layer has its own tickets, so nothing
+                # reads this one again in this launch (a shared one would need the zeroing ordered before
+                # the next layer's splits draw it); the launch boundary orders it before the next launch.
+                tl.atomic_xchg(layer_tickets + kv_head, 0)
     elif r < n_q + n_att + n_o:  # h = x_l + attn @ w_o.T for O_N columns (O_TILES tiles of them)
         if r == n_q + n_att + n_o - 1:  # roles are drawn in order: the last o_proj program draws last
             _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
@@ -426,8 +429,9 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
     flags = max(triton.next_power_of_2(max(hidden // t.gu_k, inter // t.d_k, hidden // t.q_k,
                                            attn_dim // t.o_k, num_kv_heads)), 32 * t.num_warps)
     sync = counters_for(x.device, "decode layers", 2 + layers * _FLAG_SETS.value * flags)
-    part_acc, part_ml, tickets, group_tickets, num_groups = attention.split_workspace(
+    part_acc, part_ml, _, group_tickets, num_groups = attention.split_workspace(
         x.device, 1, num_q_heads, num_kv_heads, num_splits, block_d, x, _MERGE_GROUP)
+    tickets = tickets_for(x.device, layers * num_kv_heads)  # a merge ticket per layer and KV head
     xs = torch.empty(layers, hidden, dtype=x.dtype, device=x.device)
     qkv = torch.empty(layers, qkv_size, dtype=x.dtype, device=x.device)
     attn = torch.empty(layers, attn_dim, dtype=x.dtype, device=x.device)
