@@ -8,8 +8,9 @@ as attention fills them instead of holding its whole weight tile across attentio
 o_proj program holding one tile across attention and streaming a second after it; `layers-tile64` / `-tile16`
 with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-gu3` with gate_up's 3-stage pipeline
 (the default before); `layers-128regs` capped at 128 registers a thread (4 programs an SM instead of 3, some
-spilled); `layers-no-wait` (`-128regs`) without its dependencies and `layers-skip-attention` without o_proj's
-wait for attention (wrong results: what the waits cost); `o+mlp+qkv` two launches a layer (attention, then
+spilled); `layers-table` reading each layer's tensor offsets from the stack's table instead of computing them;
+`layers-no-wait` (`-128regs`) without its dependencies and `layers-skip-attention` without o_proj's wait for
+attention (wrong results: what the waits cost); `o+mlp+qkv` two launches a layer (attention, then
 fused_mlp's launch), the default before. First checks that graph replays repeat the eager bits (the counters
 reset) and that the ways are about as close to the torch reference as the per-layer launches, then times
 CUDA-graph replays. Prints us per layer against the floor (the layers' weight bytes at the copy bandwidth
@@ -47,6 +48,7 @@ LAUNCH_OPTIONS = {
     "layers-tile16": {"tile": 16},
     "layers-tile64": {"tile": 64},
     "layers-no-ahead": {"o_ahead": False},
+    "layers-table": {"uniform": False},
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from reference_engine.config import Config
 from reference_engine.kernels import Kernels, get_kernels, rope_cos_sin
-from reference_engine.kernels.layer_stack import LayerStack
+from reference_engine.kernels.layer_stack import LayerStack, stack_weights
 
 
 @dataclass
@@ -70,6 +70,7 @@ class Qwen3Model:
         lm_head: torch.Tensor,
     ) -> None:
         self.config = config
+        stack_weights(layers)  # each kind in one allocation: the one-launch decode computes layer offsets
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.device, self.dtype = embed.device, embed.dtype
         self.ops: Kernels = get_kernels(config.kernels)

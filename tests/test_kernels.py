@@ -467,6 +467,13 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
                 assert_close(v, v0, model.dtype)
     assert len(launches) == 6
     assert_close(per_layer, ref, model.dtype, atol=1e-4)
+    # The model stacks each weight kind in one allocation, so the launch computes each layer's offsets; from
+    # the offset table it gives the same bits.
+    k0, k1 = caches[0][0], caches[1][0]
+    assert stack.uniform and stack.kv_layer_stride == (k1.data_ptr() - k0.data_ptr()) // k0.element_size()
+    monkeypatch.setitem(decode_layers.OPTIONS, "uniform", False)
+    assert torch.equal(TRITON.decode_layers(*args, **heads), one)
+    monkeypatch.setitem(decode_layers.OPTIONS, "uniform", True)
     # o_proj programs of two tiles each (the second streamed after attention): the same sums, the same bits.
     monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", True)
     single = TRITON.decode_layers(*args, **heads)
@@ -552,6 +559,27 @@ def test_decode_layers_fall_back_to_a_launch_per_layer():
                  atol=1e-4)
     llama = [dataclasses.replace(layer, q_norm=None, k_norm=None) for layer in model.layers]
     assert LayerStack.of(llama, caches).offsets is None
+
+
+def test_stack_weights_makes_a_uniform_stack():
+    """Layers whose weights live in separate allocations: the stack falls back to its offset table (not
+    uniform); stack_weights re-homes each kind into one allocation, values unchanged, and the stack is
+    uniform; a second call copies nothing."""
+    from reference_engine.kernels.layer_stack import WEIGHT_KINDS, LayerStack, stack_weights
+
+    model, caches, _, _ = _decode_setup(40)
+    apart = [dataclasses.replace(layer, **{kind: getattr(layer, kind).clone() for kind in WEIGHT_KINDS})
+             for layer in model.layers]  # layer by layer: the other kinds lie between two layers' qkv
+    assert LayerStack.of(model.layers, caches).uniform
+    assert not LayerStack.of(apart, caches).uniform and LayerStack.of(apart, caches).offsets is not None
+    values = [{kind: getattr(layer, kind).clone() for kind in WEIGHT_KINDS} for layer in apart]
+    stack_weights(apart)
+    assert LayerStack.of(apart, caches).uniform
+    for layer, before in zip(apart, values, strict=True):
+        assert all(torch.equal(getattr(layer, kind), t) for kind, t in before.items())
+    pointers = [layer.qkv.data_ptr() for layer in apart]
+    stack_weights(apart)
+    assert [layer.qkv.data_ptr() for layer in apart] == pointers
 
 
 def test_model_decode_step_takes_one_launch_unless_configured_per_layer(monkeypatch):

@@ -81,7 +81,8 @@ _O_WHOLE_BYTES = 256
 # so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 # "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
-OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True}
+OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
+           "uniform": True}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -143,9 +144,13 @@ def _bulk_prefetch_l2(ptr, BYTES: tl.constexpr):
 
 
 @triton.jit
-def _at(base_ptr, table_ptr, KIND: tl.constexpr, layers):
+def _at(base_ptr, table_ptr, KIND: tl.constexpr, layers, uniform_offset, UNIFORM: tl.constexpr):
     """This layer's tensor of KIND: layer 0's pointer plus the stack's offset (table_ptr points at the layer's
-    column; offsets are multiples of 16 elements, `supports` checks: the hint keeps the loads vectorised)."""
+    column; offsets are multiples of 16 elements, `supports` checks: the hint keeps the loads vectorised).
+    With UNIFORM (LayerStack.uniform) the offset is `uniform_offset`, computed: no load before the weight
+    loads can issue."""
+    if UNIFORM:
+        return base_ptr + tl.multiple_of(uniform_offset, 16)
     return base_ptr + tl.multiple_of(tl.load(table_ptr + KIND * layers), 16)
 
 
@@ -203,6 +208,7 @@ def _decode_layers_kernel(
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
+    stride_kv_layer, UNIFORM: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -228,6 +234,7 @@ def _decode_layers_kernel(
     h_l = h_ptr + layer * H
     act_l = act_ptr + layer * INTER
     table = offsets_ptr + layer
+    l64 = layer.to(tl.int64)
     if r < n_q:  # qkv = rmsnorm(x_l) @ w_qkv.T for Q_N rows
         # Tiles in KV head group order (the group's q rows, its k rows, its v rows), so the first groups'
         # attention can start while the last groups' tiles stream (H200: 61.5 against 61.8 us a layer in row
@@ -243,13 +250,15 @@ def _decode_layers_kernel(
                        tl.where(t < q_tiles + kv_tiles, q_rows + head * HEAD_DIM + (t - q_tiles) * Q_N,
                                 q_rows + kv_rows + head * HEAD_DIM + (t - q_tiles - kv_tiles) * Q_N))
         rn = row + tl.arange(0, Q_N)
-        rows = _at(wqkv0_ptr, table, 1, LAYERS) + tl.minimum(rn, QKV - 1).to(tl.int64)[:, None] * H
+        w_qkv = _at(wqkv0_ptr, table, 1, LAYERS, l64 * QKV * H, UNIFORM)
+        rows = w_qkv + tl.minimum(rn, QKV - 1).to(tl.int64)[:, None] * H
         rows += tl.arange(0, Q_K)[None, :]
         per_chunk = Q_K // D_N
         if layer == 0:
             per_chunk = 0  # the embedding is complete
-        y = _norm_rows(x_ptr, _at(in_norm0_ptr, table, 0, LAYERS), rows, 0, in_flags, H, eps, Q_N, Q_K,
-                       Q_STAGES, False, (SKIP & 16) == 0, per_chunk, FLAGS, NO_WAIT)
+        in_norm = _at(in_norm0_ptr, table, 0, LAYERS, l64 * H, UNIFORM)
+        y = _norm_rows(x_ptr, in_norm, rows, 0, in_flags, H, eps, Q_N, Q_K, Q_STAGES, False, (SKIP & 16) == 0,
+                       per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _count_done(qkv_flags + head)
         _stamp(trace_ptr, layer, _QKV_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
@@ -259,8 +268,8 @@ def _decode_layers_kernel(
         seq_len, start, end, active = split_bounds(seq_lens_ptr, 0, split, BLOCK_N, NUM_SPLITS)
         if split < active:
             layer_tickets = tickets_ptr + layer * NUM_KV_HEADS  # merge tickets: a set per layer
-            k_l = _at(k_cache0_ptr, table, 8, LAYERS)
-            v_l = _at(v_cache0_ptr, table, 9, LAYERS)
+            k_l = _at(k_cache0_ptr, table, 8, LAYERS, l64 * stride_kv_layer, UNIFORM)
+            v_l = _at(v_cache0_ptr, table, 9, LAYERS, l64 * stride_kv_layer, UNIFORM)
             # The step's metadata (the first tile's block numbers, the slot) read before the wait, off the
             # chain (H200: 59.69 against 59.96 us a layer at 170 tokens, 62.33 against 62.88 at 1024). The
             # tile's keys and values too cost more than they save (their registers, or the current token
@@ -271,9 +280,10 @@ def _decode_layers_kernel(
             _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
                 qkv_l, k_l, v_l, block_tables_ptr, attn_l, part_acc_ptr, part_ml_ptr, layer_tickets,
-                group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS),
-                _at(k_norm0_ptr, table, 3, LAYERS), cos_ptr, sin_ptr, slot_ptr, stride_cos, eps, QKV,
-                HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, 0, A, HEAD_DIM, 0,
+                group_tickets_ptr, scale, _at(q_norm0_ptr, table, 2, LAYERS, l64 * HEAD_DIM, UNIFORM),
+                _at(k_norm0_ptr, table, 3, LAYERS, l64 * HEAD_DIM, UNIFORM), cos_ptr, sin_ptr, slot_ptr,
+                stride_cos, eps, QKV, HEAD_DIM, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, 0, A, HEAD_DIM, 0,
                 kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
                 NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
                 MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot,
@@ -291,7 +301,7 @@ def _decode_layers_kernel(
         if r == n_q + n_att + n_o - 1:  # roles are drawn in order: the last o_proj program draws last
             _stamp(trace_ptr, layer, _O_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         col = (r - n_q - n_att) * O_N * O_TILES + tl.arange(0, O_N)
-        wo_l = _at(wo0_ptr, table, 4, LAYERS)
+        wo_l = _at(wo0_ptr, table, 4, LAYERS, l64 * H * A, UNIFORM)
         w_rows = wo_l + tl.minimum(col, H - 1).to(tl.int64)[:, None] * A
         attn_chunk = tl.maximum(O_K // (GROUP * HEAD_DIM), 1)  # KV head groups finishing a chunk
         if SKIP & 2:
@@ -333,11 +343,12 @@ def _decode_layers_kernel(
         if r == n_q + n_att + n_o + n_gu - 1:
             _stamp(trace_ptr, layer, _GU_ROLE, True, TRACE, GLOBAL_TIMER, LAYERS)
         rn = (r - n_q - n_att - n_o) * GU_N + tl.arange(0, GU_N)
-        rows = _at(wgu0_ptr, table, 6, LAYERS) + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
+        w_gu = _at(wgu0_ptr, table, 6, LAYERS, l64 * 2 * INTER * H, UNIFORM)
+        rows = w_gu + tl.minimum(rn, INTER - 1).to(tl.int64)[:, None] * H
         rows += tl.arange(0, GU_K)[None, :]
-        act = _norm_rows(h_l, _at(post_norm0_ptr, table, 5, LAYERS), rows, INTER * H, h_flags, H, eps, GU_N,
-                         GU_K, GU_STAGES,
-                         True, (SKIP & 4) == 0, GU_K // O_N, FLAGS, NO_WAIT)
+        post_norm = _at(post_norm0_ptr, table, 5, LAYERS, l64 * H, UNIFORM)
+        act = _norm_rows(h_l, post_norm, rows, INTER * H, h_flags, H, eps, GU_N, GU_K, GU_STAGES, True,
+                         (SKIP & 4) == 0, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
         _stamp(trace_ptr, layer, _GATE_UP_DONE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
@@ -345,7 +356,8 @@ def _decode_layers_kernel(
     else:  # x_{l+1} = h + act @ w_down.T for D_N columns
         tile = r - n_q - n_att - n_o - n_gu
         col = tile * D_N + tl.arange(0, D_N)
-        w_cols = _at(wd0_ptr, table, 7, LAYERS) + tl.minimum(col, H - 1).to(tl.int64)[:, None] * INTER
+        w_d = _at(wd0_ptr, table, 7, LAYERS, l64 * H * INTER, UNIFORM)
+        w_cols = w_d + tl.minimum(col, H - 1).to(tl.int64)[:, None] * INTER
         w_cols += tl.arange(0, D_K)[None, :]
         out = _residual_cols(act_l, w_cols, h_l, col, act_flags, INTER, H, D_N, D_K, D_STAGES,
                              (SKIP & 8) == 0, D_K // GU_N, FLAGS, NO_WAIT)
@@ -468,7 +480,8 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         A_P2=triton.next_power_of_2(attn_dim),
         MERGE_CHUNK=_MERGE_CHUNK, O_AHEAD=OPTIONS["o_ahead"] and not INTERPRETED,
         trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
-        GLOBAL_TIMER=not INTERPRETED,
+        GLOBAL_TIMER=not INTERPRETED, stride_kv_layer=stack.kv_layer_stride,
+        UNIFORM=stack.uniform and OPTIONS["uniform"],
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]
