@@ -31,7 +31,7 @@ OPTIONS["trace"] set the launch also stamps, per layer, when its latest (or earl
 TRACE_EVENTS (the GPU's global timer; a logical clock in the interpreter): see benchmarks/decode_layers.py
 --trace.
 
-On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 59.3 us at 170 tokens (62.1 at 1024) against
+On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 58.7 us at 170 tokens (61.5 at 1024) against
 64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.7-3.3
 ms (it was CPU-bound on its launches). Attention is a chain of dependent memory round trips, and the one
 dependency that costs much (o_proj not waiting for it: 53.0 us); before o_proj held its weights across it
