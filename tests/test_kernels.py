@@ -474,6 +474,12 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
     monkeypatch.setitem(decode_layers.OPTIONS, "uniform", False)
     assert torch.equal(TRITON.decode_layers(*args, **heads), one)
     monkeypatch.setitem(decode_layers.OPTIONS, "uniform", True)
+    # Consumers loading their next K step's weights while stalled on its flags (a benchmark switch): the same
+    # sums. The interpreter runs programs one after another, so no consumer stalls here: this checks the
+    # switch's build and its unstalled path; benchmarks/decode_layers.py checks the bits on the GPU.
+    monkeypatch.setitem(decode_layers.OPTIONS, "stall_ahead", 7)
+    assert torch.equal(TRITON.decode_layers(*args, **heads), one)
+    monkeypatch.setitem(decode_layers.OPTIONS, "stall_ahead", 0)
     # o_proj programs of two tiles each (the second streamed after attention): the same sums, the same bits.
     monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", True)
     single = TRITON.decode_layers(*args, **heads)
