@@ -81,9 +81,9 @@ _O_WHOLE_BYTES = 256
 # so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 # "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
-# "stall_ahead": a bit mask of consumers (1 qkv, 2 gate_up, 4 down) that, stalled on their next K step's
-# flags, load its weights into registers meanwhile (fused_mlp._walk_chunks; the same sums, 168 registers,
-# no spill). Not yet measured on the GPU; docs/benchmarks.md says why it might shorten down's tail.
+# "stall_ahead": a bit mask of consumers (1 qkv, 2 gate_up, 4 down) that, stalled mid-stream on their next
+# K step's flags, load its weights into registers meanwhile (fused_mlp._walk_chunks; the same sums, 168
+# registers, no spill). Not yet measured on the GPU; docs/benchmarks.md says why it might shorten down's tail.
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
            "uniform": True, "stall_ahead": 0}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when

@@ -136,10 +136,12 @@ def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.const
         res = tl.zeros((N,), dtype=tl.float32)
     while done < chunks:
         if STALL_AHEAD:
-            if ready == done:
-                # Stalled on the next chunk: its weights load into registers while the flags are polled, so
-                # once it lands only its activations are a round trip away (the loop below pipelines only
-                # chunks already counted, one round trip each when producers finish one by one).
+            if (ready == done) & (done > 0):
+                # Stalled mid-stream on the next chunk: its weights load into registers while the flags are
+                # polled, so once it lands only its activations are a round trip away (the loop below
+                # pipelines only chunks already counted: one round trip each when producers finish one by
+                # one). Not before the first chunk: weights loaded before the first flag read measured slower
+                # (docs/benchmarks.md).
                 w_next = tl.load(w_rows + done * K_STEP)
                 w_next_up = w_next
                 if UP:
