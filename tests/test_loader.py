@@ -70,6 +70,9 @@ def test_round_trip_gives_the_same_logits(tmp_path, changes):
     assert torch.equal(
         loaded.layers[1].gate_up[cfg.intermediate_size :], tensors["model.layers.1.mlp.up_proj.weight"]
     )
+    # Each weight kind in one allocation, layer after layer (the one-launch decode computes layer offsets).
+    qkv = [layer.qkv for layer in loaded.layers]
+    assert all(t.data_ptr() == qkv[0].data_ptr() + i * qkv[0].nbytes for i, t in enumerate(qkv))
     ids = [5, 99, 17, 300, 2, 41, 41, 7, 250, 128, 64, 3, 9, 200, 11, 12, 13, 14, 15, 16, 80]
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(source, ids), rtol=0, atol=0)
 
