@@ -9,8 +9,6 @@ o_proj program holding one tile across attention and streaming a second after it
 with 64- / 16-token attention tiles (64: the per-layer kernel's); `layers-gu3` with gate_up's 3-stage pipeline
 (the default before); `layers-128regs` capped at 128 registers a thread (4 programs an SM instead of 3, some
 spilled); `layers-table` reading each layer's tensor offsets from the stack's table instead of computing them;
-`layers-stall-ahead-qkv` / `-gu` / `-down` / `-all` with those consumers loading their next K step's weights
-into registers while stalled on its flags (decode_layers.OPTIONS["stall_ahead"]);
 `layers-no-wait` (`-128regs`) without its dependencies and `layers-skip-attention` without o_proj's wait for
 attention (wrong results: what the waits cost); `o+mlp+qkv` two launches a layer (attention, then
 fused_mlp's launch), the default before. First checks that graph replays repeat the eager bits (the counters
@@ -51,10 +49,6 @@ LAUNCH_OPTIONS = {
     "layers-tile64": {"tile": 64},
     "layers-no-ahead": {"o_ahead": False},
     "layers-table": {"uniform": False},
-    "layers-stall-ahead-qkv": {"stall_ahead": 1},
-    "layers-stall-ahead-gu": {"stall_ahead": 2},
-    "layers-stall-ahead-down": {"stall_ahead": 4},
-    "layers-stall-ahead-all": {"stall_ahead": 7},
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},
@@ -64,9 +58,6 @@ LAUNCH_OPTIONS = {
     "layers-no-wait-128regs": {"maxnreg": 128},
 }
 WAYS = (*LAUNCH_OPTIONS, "o+mlp+qkv")
-# Ways that add the same sums in the same order as the default: they must give its bits.
-SAME_BITS = ("layers-table", "layers-stall-ahead-qkv", "layers-stall-ahead-gu", "layers-stall-ahead-down",
-             "layers-stall-ahead-all")
 WRONG = ("layers-no-wait", "layers-no-wait-128regs", "layers-skip-attention", "layers-skip-h",
          "layers-skip-act", "layers-skip-x", "layers-skip-all-but-qkv")  # dependencies skipped
 
@@ -209,7 +200,6 @@ def main() -> None:
         print(f"context {context}: graph replays repeat the eager bits; relative difference to torch: "
               + ", ".join(f"{way} {d:.4f}" for way, d in diffs.items()), flush=True)
         same_bits = [way for way in ways if torch.equal(eager[way], eager["layers"])]
-        assert set(ways) & set(SAME_BITS) <= set(same_bits), "a way of the default's sums changed the bits"
         print(f"context {context}: the same bits as the default launch: {', '.join(same_bits)}")
         bound = 2 * diffs["o+mlp+qkv"] + 1e-3
         far = [way for way, d in diffs.items() if d >= bound and way not in WRONG]

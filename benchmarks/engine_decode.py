@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from reference_engine import graphs
 from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
 from reference_engine.kernels import decode_layers, decode_linear, skinny_gemm
@@ -46,6 +47,7 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "o-walk": None,  # o_proj walks its K chunks as attention fills them (not holding its whole tile)
     "o-pairs": None,  # each o_proj program holds one tile across attention and streams a second after it
     "o-no-ahead": None,  # o_proj's first half does not ask L2 for the second half's weights
+    "embedding-launch": None,  # the embedding gather in its own launch (not with decode_inputs)
 }
 _LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}, "o-pairs": {"o_proj_tiles": 2},
                    "o-no-ahead": {"o_ahead": False}}
@@ -73,6 +75,7 @@ def apply_gemm_variant(name: str, tiles=None) -> dict:
     changes the variant needs (the layer-tail variants launch layers one by one)."""
     skinny_gemm.choose_config = _CHOOSE_CONFIG
     decode_linear.FUSED_MLP["mode"] = _LAYER_TAIL.get(name, "o+mlp+qkv")
+    graphs.EMBED_WITH_INPUTS["on"] = name != "embedding-launch"
     decode_layers.OPTIONS.update(_DECODE_LAYERS_OPTIONS, **_LAUNCH_OPTIONS.get(name, {}))
     for rewrite in (GEMM_VARIANTS[name], tiles):
         if rewrite is not None:
@@ -185,6 +188,8 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5,
         for label, (median_us, total_us) in increments.items():
             print(f"  {label:34s} {median_us:7.2f} us  x36 = {total_us / 1e3:.3f} ms")
     del engine
+    real_step_timeline(model, base, kernels=kernels,
+                       trace=trace.with_name("async_steps.json") if trace else None)
 
     import triton.testing
 
@@ -223,6 +228,39 @@ def breakdown(model: Qwen3Model, base: Config, *, kernels: str, steps: int = 5,
     return result
 
 
+def real_step_timeline(model: Qwen3Model, base: Config, *, kernels: str, trace: Path | None) -> None:
+    """The GPU timeline of real step-async engine steps at batch 1 (the metadata copy in, the step graph,
+    the tokens' copy out): each kernel's start and end within one step, and the step's period."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if trace is None:
+        return
+    engine = engine_for(model, base, graph="step", kernels=kernels, async_scheduling=True)
+    engine.submit([(5 * j) % 1000 + 3 for j in range(128)], SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        sync()
+    while engine.has_work():
+        engine.step()
+    prof.export_chrome_trace(str(trace))
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    starts = [i for i, e in enumerate(events) if "decode_inputs" in e["name"]]
+    if len(starts) < 4:
+        return
+    first, nxt = starts[2], starts[3]
+    t0 = events[first]["ts"]
+    print(f"real step-async step at b=1: period {events[nxt]['ts'] - t0:.1f} us (decode_inputs to the next)")
+    for e in events[first - 2: nxt]:
+        print(f"  {e['name'][:34]:34s} start {e['ts'] - t0:9.2f}  end {e['ts'] + e['dur'] - t0:9.2f}")
+    del engine
+
+
 LAYER_KERNELS = ("qkv + input norm", "attention (+ q/k norm, RoPE, cache)", "o_proj + residual",
                  "gate_up + post norm + SiLU", "down + residual")
 TAIL_LAYER_KERNELS = LAYER_KERNELS[:2] + ("o_proj + MLP (one launch)",)
@@ -239,16 +277,25 @@ def step_increments(trace: Path, replays: int) -> dict[str, tuple[float, float]]
     events.sort(key=lambda e: e["ts"])
     per_replay = len(events) // replays
     replay = events[per_replay: 2 * per_replay]  # the second replay: the first may include warm-up effects
+    span = max(e["ts"] + e["dur"] for e in replay) - replay[0]["ts"]
+    period = events[2 * per_replay]["ts"] - replay[0]["ts"] if len(events) > 2 * per_replay else float("nan")
+    print(f"replay: {per_replay} kernels, first start to last end {span:.1f} us, start to next start "
+          f"{period:.1f} us")
     added, last_end = [], replay[0]["ts"]
     for e in replay:
         end = e["ts"] + e["dur"]
         added.append((e["name"], max(end - last_end, 0.0)))
         last_end = max(last_end, end)
     whole = [us for name, us in added if "decode_layers" in name]
-    if whole:  # every layer in one launch (decode_layers.py): the launch, and the rest
+    if whole:  # every layer in one launch (decode_layers.py): the launch, and each kernel around it
+        out = {"all layers (one launch)": (whole[0], whole[0])}
+        for name, us in added:
+            if "decode_layers" not in name:
+                label = name.removeprefix("_")[:34]
+                out[label] = (out.get(label, (0.0, 0.0))[0] + us,) * 2
         rest = sum(us for name, us in added if "decode_layers" not in name)
-        return {"all layers (one launch)": (whole[0], whole[0]),
-                "outside layers (LM head, sampler, inputs)": (rest, rest)}
+        out["outside layers (LM head, sampler, inputs)"] = (rest, rest)
+        return out
     attention = [i for i, (name, _) in enumerate(added) if "decode_split" in name]
     labels = {len(names): names for names in (LAYER_KERNELS, TAIL_LAYER_KERNELS, ONE_TAIL_LAYER_KERNELS)}
     if len(attention) < 2 or attention[1] - attention[0] not in labels:

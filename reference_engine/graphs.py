@@ -53,6 +53,8 @@ logger = logging.getLogger("reference_engine")
 
 META_SLOT, META_POSITION, META_TOP_K, META_SEED, META_TEMPERATURE, META_TOP_P = range(6)
 META_BLOCKS = 6
+# Benchmarks only: False gathers the embedding in its own launch after decode_inputs, as before the fold.
+EMBED_WITH_INPUTS = {"on": True}
 # Host arrays of a verify step (speculative.verify_rows), one row per sequence token checked.
 VERIFY_ARRAYS = ("ids", "positions", "slot_mapping", "block_tables", "seq_lens", "temperature", "top_p",
                  "top_k", "seeds")
@@ -198,9 +200,11 @@ class StepRunner:
         meta = self.buffers.decode_meta[:size]
         tables = meta[:, META_BLOCKS:]
         # Input-metadata ops: each row's input token is its slot's latest sample, still on the device.
-        ids, positions, slot_mapping, seq_lens = self.model.ops.decode_inputs(
+        # In the same launch the embedding rows, except in model mode (its graph starts from the ids).
+        embed = self.model.embed if self.mode != "model" and EMBED_WITH_INPUTS["on"] else None
+        ids, positions, slot_mapping, seq_lens, *embedded = self.model.ops.decode_inputs(
             meta, self.buffers.tokens, block_size=self.config.block_size, slot_col=META_SLOT,
-            position_col=META_POSITION, blocks_col=META_BLOCKS,
+            position_col=META_POSITION, blocks_col=META_BLOCKS, embed=embed,
         )
         replayed = False
         if self.mode == "model":
@@ -213,11 +217,12 @@ class StepRunner:
             ):
                 static[:size].copy_(value)
             replayed = self.graphs.run(("model", size), lambda: self._static_forward(size))
-            logits = self.static_logits[size]
-        else:
-            attn = AttentionMetadata(slot_mapping, block_tables=tables, seq_lens=seq_lens)
-            logits = self.model.compute_logits(self.model.forward(ids, positions, self.kv_caches, attn))
-        self._sample_and_store(meta, logits, greedy_only)
+            self._sample_and_store(meta, self.static_logits[size], greedy_only)
+            return replayed
+        attn = AttentionMetadata(slot_mapping, block_tables=tables, seq_lens=seq_lens)
+        x = embedded[0] if embedded else None
+        hidden = self.model.forward(ids, positions, self.kv_caches, attn, embedded=x)
+        self._sample_and_store(meta, self.model.compute_logits(hidden), greedy_only)
         return replayed
 
     def verify(self, inputs: dict) -> torch.Tensor:

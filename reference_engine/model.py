@@ -137,6 +137,8 @@ class Qwen3Model:
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
+        *,
+        embedded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The residual stream [T, H] after the last layer, before the final norm (prefill: all prompts'
         tokens concatenated). `compute_logits` applies the final norm, so callers can pick rows first.
@@ -146,10 +148,11 @@ class Qwen3Model:
         attention kernel. With Triton at one row that is two launches: attention, then o_proj, the MLP and
         the next layer's qkv in one (fused_mlp.py); a decode step with `one_launch_layers` takes the
         kernels' decode_layers instead (every layer in one launch at one sequence, decode_layers.py).
+        `embedded`: the ids' embedding rows when the caller has them (ops.decode_inputs with embed=).
         """
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
-        x = ops.embedding(self.embed, input_ids)
+        x = embedded if embedded is not None else ops.embedding(self.embed, input_ids)
         if cfg.one_launch_layers and cfg.qk_norm and not meta.is_prefill and not meta.shared_rows:
             return ops.decode_layers(
                 x, self._layer_stack(kv_caches), meta.slot_mapping, meta.block_tables, meta.seq_lens,

@@ -81,11 +81,8 @@ _O_WHOLE_BYTES = 256
 # so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 # "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
-# "stall_ahead": a bit mask of consumers (1 qkv, 2 gate_up, 4 down) that, stalled mid-stream on their next
-# K step's flags, load its weights into registers meanwhile (fused_mlp._walk_chunks; the same sums, 168
-# registers, no spill). Not yet measured on the GPU; docs/benchmarks.md says why it might shorten down's tail.
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
-           "uniform": True, "stall_ahead": 0}
+           "uniform": True}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -211,7 +208,7 @@ def _decode_layers_kernel(
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
-    stride_kv_layer, UNIFORM: tl.constexpr, STALL_AHEAD: tl.constexpr,
+    stride_kv_layer, UNIFORM: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -261,7 +258,7 @@ def _decode_layers_kernel(
             per_chunk = 0  # the embedding is complete
         in_norm = _at(in_norm0_ptr, table, 0, LAYERS, l64 * H, UNIFORM)
         y = _norm_rows(x_ptr, in_norm, rows, 0, in_flags, H, eps, Q_N, Q_K, Q_STAGES, False, (SKIP & 16) == 0,
-                       per_chunk, FLAGS, NO_WAIT, (STALL_AHEAD & 1) != 0)
+                       per_chunk, FLAGS, NO_WAIT)
         tl.store(qkv_l + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < QKV)
         _count_done(qkv_flags + head)
         _stamp(trace_ptr, layer, _QKV_DONE, True, TRACE, GLOBAL_TIMER, LAYERS)
@@ -351,7 +348,7 @@ def _decode_layers_kernel(
         rows += tl.arange(0, GU_K)[None, :]
         post_norm = _at(post_norm0_ptr, table, 5, LAYERS, l64 * H, UNIFORM)
         act = _norm_rows(h_l, post_norm, rows, INTER * H, h_flags, H, eps, GU_N, GU_K, GU_STAGES, True,
-                         (SKIP & 4) == 0, GU_K // O_N, FLAGS, NO_WAIT, (STALL_AHEAD & 2) != 0)
+                         (SKIP & 4) == 0, GU_K // O_N, FLAGS, NO_WAIT)
         tl.store(act_l + rn, act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
         _count_done(act_flags + (r - n_q - n_att - n_o) * GU_N // D_K)
         _stamp(trace_ptr, layer, _GATE_UP_DONE_FIRST, False, TRACE, GLOBAL_TIMER, LAYERS)
@@ -363,7 +360,7 @@ def _decode_layers_kernel(
         w_cols = w_d + tl.minimum(col, H - 1).to(tl.int64)[:, None] * INTER
         w_cols += tl.arange(0, D_K)[None, :]
         out = _residual_cols(act_l, w_cols, h_l, col, act_flags, INTER, H, D_N, D_K, D_STAGES,
-                             (SKIP & 8) == 0, D_K // GU_N, FLAGS, NO_WAIT, (STALL_AHEAD & 4) != 0)
+                             (SKIP & 8) == 0, D_K // GU_N, FLAGS, NO_WAIT)
         tl.store(xs_ptr + layer * H + col, out.to(xs_ptr.dtype.element_ty), mask=col < H)
         if layer + 1 < LAYERS:
             _count_done(flags + _FLAG_SETS * FLAGS + tile * D_N // Q_K)  # the next layer's input flags
@@ -484,7 +481,7 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         MERGE_CHUNK=_MERGE_CHUNK, O_AHEAD=OPTIONS["o_ahead"] and not INTERPRETED,
         trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED, stride_kv_layer=stack.kv_layer_stride,
-        UNIFORM=stack.uniform and OPTIONS["uniform"], STALL_AHEAD=OPTIONS["stall_ahead"],
+        UNIFORM=stack.uniform and OPTIONS["uniform"],
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]

@@ -98,22 +98,10 @@ def _count_done(flag_ptr):
 
 
 @triton.jit
-def _activation(src_ptr, norm_ptr, k, kk, sum_sq, NORM: tl.constexpr):
-    """src's K step at k in fp32, or with NORM (src * norm) rounded to src's dtype; and sum_sq plus, with
-    NORM, the step's sum of squares."""
-    a = tl.load(src_ptr + k + kk).to(tl.float32)
-    if NORM:
-        sum_sq += tl.sum(a * a, axis=0)
-        a = (a * tl.load(norm_ptr + k + kk).to(tl.float32)).to(src_ptr.dtype.element_ty)
-        a = a.to(tl.float32)
-    return a, sum_sq
-
-
-@triton.jit
 def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.constexpr, K_STEP: tl.constexpr,
                  STAGES: tl.constexpr, NORM: tl.constexpr, UP: tl.constexpr, WAIT: tl.constexpr, per_chunk,
                  FLAGS: tl.constexpr, NO_WAIT: tl.constexpr, res_ptrs=0, res_mask=0,
-                 RES: tl.constexpr = False, STALL_AHEAD: tl.constexpr = False):
+                 RES: tl.constexpr = False):
     """The one-row FMA K loop both tile kinds share: (w @ a, with UP the same for the rows up_offset further,
     and with NORM the sum of squares of src, and with RES the residual at res_ptrs), where a = src, or with
     NORM (src * norm) rounded to src's dtype (the 1/rms is the caller's, at the end). w_rows: [N, K_STEP]
@@ -135,29 +123,15 @@ def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.const
     else:
         res = tl.zeros((N,), dtype=tl.float32)
     while done < chunks:
-        if STALL_AHEAD:
-            if (ready == done) & (done > 0):
-                # Stalled mid-stream on the next chunk: its weights load into registers while the flags are
-                # polled, so once it lands only its activations are a round trip away (the loop below
-                # pipelines only chunks already counted: one round trip each when producers finish one by
-                # one). Not before the first chunk: weights loaded before the first flag read measured slower
-                # (docs/benchmarks.md).
-                w_next = tl.load(w_rows + done * K_STEP)
-                w_next_up = w_next
-                if UP:
-                    w_next_up = tl.load(w_rows + done * K_STEP + up_offset)
-                while ready == done:
-                    ready = _chunks_ready(flags_ptr, chunks, per_chunk, FLAGS, WAIT, NO_WAIT)
-                a, sum_sq = _activation(src_ptr, norm_ptr, done * K_STEP, kk, sum_sq, NORM)
-                acc += w_next.to(tl.float32) * a[None, :]
-                if UP:
-                    acc_up += w_next_up.to(tl.float32) * a[None, :]
-                done += 1
         # The loads below come after the flag reads that allowed them (loop bounds), and no program reads a
         # chunk before its flags are full, so no SM's L1 can hold a stale line of it (the pipeliner's
         # look-ahead loads past `ready` are masked off).
         for k in tl.range(done * K_STEP, ready * K_STEP, K_STEP, num_stages=STAGES):
-            a, sum_sq = _activation(src_ptr, norm_ptr, k, kk, sum_sq, NORM)
+            a = tl.load(src_ptr + k + kk).to(tl.float32)
+            if NORM:
+                sum_sq += tl.sum(a * a, axis=0)
+                a = (a * tl.load(norm_ptr + k + kk).to(tl.float32)).to(src_ptr.dtype.element_ty)
+                a = a.to(tl.float32)
             acc += tl.load(w_rows + k).to(tl.float32) * a[None, :]
             if UP:
                 acc_up += tl.load(w_rows + k + up_offset).to(tl.float32) * a[None, :]
@@ -170,14 +144,12 @@ def _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N: tl.const
 @triton.jit
 def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
                N: tl.constexpr, K_STEP: tl.constexpr, STAGES: tl.constexpr, SILU: tl.constexpr,
-               WAIT: tl.constexpr, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr,
-               STALL_AHEAD: tl.constexpr = False):
+               WAIT: tl.constexpr, per_chunk, FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """rmsnorm(src) @ w.T for the N weight rows `w_rows`, or with SILU silu(that) * (the same with the rows
     up_offset further), walking src as `_walk_chunks` does; the norm's 1/rms is applied at the end, so it
     needs no pass."""
     dot, dot_up, sum_sq, _ = _walk_chunks(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, N, K_STEP,
-                                          STAGES, True, SILU, WAIT, per_chunk, FLAGS, NO_WAIT,
-                                          STALL_AHEAD=STALL_AHEAD)
+                                          STAGES, True, SILU, WAIT, per_chunk, FLAGS, NO_WAIT)
     inv_rms = tl.rsqrt(sum_sq / K + eps)
     y = dot * inv_rms
     if SILU:
@@ -188,12 +160,11 @@ def _norm_rows(src_ptr, norm_ptr, w_rows, up_offset, flags_ptr, K, eps,
 @triton.jit
 def _residual_cols(src_ptr, w_cols, res_ptr, col, flags_ptr, K, H, N: tl.constexpr,
                    K_STEP: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, per_chunk,
-                   FLAGS: tl.constexpr, NO_WAIT: tl.constexpr, STALL_AHEAD: tl.constexpr = False):
+                   FLAGS: tl.constexpr, NO_WAIT: tl.constexpr):
     """res[col] + src @ w.T for the N weight rows `w_cols` (one per output column col), walking src as
     `_walk_chunks` does: skinny_gemm's one-row FMA tile with its residual epilogue."""
     dot, _, _, res = _walk_chunks(src_ptr, src_ptr, w_cols, 0, flags_ptr, K, N, K_STEP, STAGES, False, False,
-                                  WAIT, per_chunk, FLAGS, NO_WAIT, res_ptr + col, col < H, True,
-                                  STALL_AHEAD)
+                                  WAIT, per_chunk, FLAGS, NO_WAIT, res_ptr + col, col < H, True)
     return dot + res
 
 

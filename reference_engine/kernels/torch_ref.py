@@ -202,15 +202,18 @@ def decode_attention_from_qkv(
 
 def decode_inputs(
     meta: torch.Tensor, tokens: torch.Tensor, *, block_size: int, slot_col: int, position_col: int,
-    blocks_col: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks_col: int, embed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """A decode step's inputs from its int32 metadata rows [B, W] (slot, position and block table at the
     given columns) and the device token buffer [slots] (each slot's latest sampled token): (input ids
-    [B] in tokens' dtype, positions int32 [B], cache slot mapping int64 [B], seq lens int32 [B])."""
+    [B] in tokens' dtype, positions int32 [B], cache slot mapping int64 [B], seq lens int32 [B]), and with
+    an embedding table `embed` a fifth: the ids' embedding rows embedding(embed, ids)."""
     positions = meta[:, position_col].contiguous()
     ids = tokens[meta[:, slot_col].long()]
     block = meta[:, blocks_col:].gather(1, (positions // block_size).long()[:, None]).squeeze(1)
     slot_mapping = block.long() * block_size + (positions % block_size).long()
+    if embed is not None:
+        return ids, positions, slot_mapping, positions + 1, embedding(embed, ids)
     return ids, positions, slot_mapping, positions + 1
 
 
