@@ -49,6 +49,7 @@ LAUNCH_OPTIONS = {
     "layers-tile64": {"tile": 64},
     "layers-no-ahead": {"o_ahead": False},
     "layers-table": {"uniform": False},
+    "layers-split-a-tile": {"solo_tiles": 1},
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},

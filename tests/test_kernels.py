@@ -456,9 +456,14 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
     ref = REF.decode_layers(*args, **heads)
     # o_proj holding its whole weight tile across attention (the default), or walking its K chunks as
     # attention fills them (the per-layer launches' loop): at one K chunk (this model) the same sums.
-    for tile, whole in ((64, True), (64, False), (decode_layers._ATTENTION_TILE, True)):
+    # A split a tile (solo 1), as the per-layer attention splits, gives its bits; up to _SOLO_TILES tiles
+    # one split takes the whole context (37 tokens in 32-token tiles, 150 in 64-token tiles): no merge.
+    solo = decode_layers._SOLO_TILES
+    for tile, whole, solo_tiles in ((64, True, 1), (64, False, 1), (64, True, solo),
+                                    (decode_layers._ATTENTION_TILE, True, solo)):
         monkeypatch.setattr(decode_layers, "_ATTENTION_TILE", tile)
         monkeypatch.setitem(decode_layers.OPTIONS, "o_proj_whole", whole)
+        monkeypatch.setitem(decode_layers.OPTIONS, "solo_tiles", solo_tiles)
         for k, v in caches:  # the slot this step writes holds a stale value, as it would in a server
             k.view(-1, *k.shape[2:])[meta["slot_mapping"]] = 7.0
             v.view(-1, *v.shape[2:])[meta["slot_mapping"]] = -7.0
@@ -467,12 +472,12 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
             assert not split_merge.counters_for(x.device, "decode layers", 0).any()
             assert not split_merge.tickets_for(x.device, 0).any()  # the merge tickets too
             assert_close(one, ref, model.dtype, atol=1e-4)
-            if tile == 64 and DEVICE == "cpu":
+            if tile == 64 and solo_tiles == 1 and DEVICE == "cpu":
                 assert torch.equal(one, per_layer)
             for (k, v), (k0, v0) in zip(caches, per_layer_caches, strict=True):
                 assert_close(k, k0, model.dtype)
                 assert_close(v, v0, model.dtype)
-    assert len(launches) == 6
+    assert len(launches) == 8
     assert_close(per_layer, ref, model.dtype, atol=1e-4)
     # The model stacks each weight kind in one allocation, so the launch computes each layer's offsets; from
     # the offset table it gives the same bits.

@@ -71,14 +71,17 @@ def choose_tile(batch: int, block_d: int) -> int:
 
 
 @triton.jit
-def split_bounds(seq_lens_ptr, seq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def split_bounds(seq_lens_ptr, seq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 SOLO_TILES: tl.constexpr = 1):
     """(seq_len, start, end, active): this split's token range, in whole BLOCK_N tiles, decided on the device
     from seq_len, and how many splits hold tokens. Splits past the last token (split >= active, "empty") must
     exit at once: they draw no ticket and leave no partial. A row with no tokens still has one active split
-    (it writes zeros)."""
+    (it writes zeros). Up to SOLO_TILES tiles, one split takes them all: no merge."""
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1)
+    if SOLO_TILES > 1:
+        tiles_per_split = tl.where(tiles <= SOLO_TILES, tl.maximum(tiles, 1), tiles_per_split)
     active = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)

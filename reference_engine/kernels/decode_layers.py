@@ -72,6 +72,10 @@ _TILES = MlpTiles(gu_stages=5)
 # Bytes of o_proj weights a thread may hold across attention (64 registers): the launch stays at 168 registers
 # (3 programs an SM; sm_90, triton 3.6), as without.
 _O_WHOLE_BYTES = 256
+# Up to this many attention tiles (32 tokens each) one split takes a KV head's whole context, with no merge:
+# the merge's round trips (partials, fence, ticket, their loads) cost ~3 us a layer, a loop trip ~1 (H200, us
+# a layer at 32 / 64 / 96 tokens: 55.5 / 56.6 / 57.5 against 58.8 / 58.9 at 64 / 96 with a split a tile).
+_SOLO_TILES = 3
 # Benchmark switches (benchmarks/decode_layers.py): "skip" 2 makes o_proj not wait for attention, 4 gate_up
 # for h, 8 down for act, 16 qkv for the layer's input (wrong results: what each dependency costs);
 # "o_proj_whole" False walks o_proj's K chunks as attention fills them;
@@ -81,8 +85,9 @@ _O_WHOLE_BYTES = 256
 # so all of o_proj's roles are drawn while attention runs: o_proj ends ~8 us earlier, but gate_up does not,
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 # "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
+# "solo_tiles": _SOLO_TILES overridden (1: a split a tile from two tiles up, as before).
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
-           "uniform": True}
+           "uniform": True, "solo_tiles": _SOLO_TILES}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -208,7 +213,7 @@ def _decode_layers_kernel(
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
-    stride_kv_layer, UNIFORM: tl.constexpr,
+    stride_kv_layer, UNIFORM: tl.constexpr, SOLO_TILES: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -265,7 +270,7 @@ def _decode_layers_kernel(
     elif r < n_q + n_att:  # one split of one KV head's attention
         kv_head = (r - n_q) // NUM_SPLITS
         split = (r - n_q) % NUM_SPLITS
-        seq_len, start, end, active = split_bounds(seq_lens_ptr, 0, split, BLOCK_N, NUM_SPLITS)
+        seq_len, start, end, active = split_bounds(seq_lens_ptr, 0, split, BLOCK_N, NUM_SPLITS, SOLO_TILES)
         if split < active:
             layer_tickets = tickets_ptr + layer * NUM_KV_HEADS  # merge tickets: a set per layer
             k_l = _at(k_cache0_ptr, table, 8, LAYERS, l64 * stride_kv_layer, UNIFORM)
@@ -481,7 +486,7 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         MERGE_CHUNK=_MERGE_CHUNK, O_AHEAD=OPTIONS["o_ahead"] and not INTERPRETED,
         trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED, stride_kv_layer=stack.kv_layer_stride,
-        UNIFORM=stack.uniform and OPTIONS["uniform"],
+        UNIFORM=stack.uniform and OPTIONS["uniform"], SOLO_TILES=OPTIONS["solo_tiles"],
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]
