@@ -50,6 +50,8 @@ LAUNCH_OPTIONS = {
     "layers-no-ahead": {"o_ahead": False},
     "layers-table": {"uniform": False},
     "layers-split-a-tile": {"solo_tiles": 1},
+    "layers-att4": {"att_stages": 4},  # attention's loop 4 stages deep (3 tiles in flight)
+    "layers-att4-solo4": {"att_stages": 4, "solo_tiles": 4},  # and one split up to 4 tiles (128 tokens)
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},

@@ -477,7 +477,13 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
             for (k, v), (k0, v0) in zip(caches, per_layer_caches, strict=True):
                 assert_close(k, k0, model.dtype)
                 assert_close(v, v0, model.dtype)
-    assert len(launches) == 8
+    # The history loop pipelined deeper, one split up to 4 tiles (a benchmark way): the same function.
+    monkeypatch.setitem(decode_layers.OPTIONS, "att_stages", 4)
+    monkeypatch.setitem(decode_layers.OPTIONS, "solo_tiles", 4)
+    assert_close(TRITON.decode_layers(*args, **heads), ref, model.dtype, atol=1e-4)
+    monkeypatch.setitem(decode_layers.OPTIONS, "att_stages", 3)
+    monkeypatch.setitem(decode_layers.OPTIONS, "solo_tiles", solo)
+    assert len(launches) == 9
     assert_close(per_layer, ref, model.dtype, atol=1e-4)
     # The model stacks each weight kind in one allocation, so the launch computes each layer's offsets; from
     # the offset table it gives the same bits.

@@ -155,13 +155,15 @@ def attend_split(
     PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
     MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, MERGE_CHUNK: tl.constexpr = 2,
     RESET_TICKET: tl.constexpr = True, PREREAD: tl.constexpr = False, first_blocks=0, slot_read=0,
+    STAGES: tl.constexpr = None,
 ):
     """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
     program that stored the group's final output (the only split, or the last to arrive, which merged),
     else 0: decode_layers.py counts that output done for its consumers. Without RESET_TICKET the caller
     zeroes the (seq, kv_head) ticket after that (off the chain to the consumers). With PREREAD the caller
     read the step's metadata before waiting for its input (`read_step_metadata`): the first tile's block
-    numbers and the sequence's slot_mapping entry (`slot_read`, int64)."""
+    numbers and the sequence's slot_mapping entry (`slot_read`, int64). STAGES: the history loop's pipeline
+    depth (None: the launch's num_stages); STAGES - 1 tiles are in flight while one is summed."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -205,7 +207,7 @@ def attend_split(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for tile_start in range(start, end, BLOCK_N):
+    for tile_start in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         tokens = tile_start + offs_n
         mask_n = tokens < end
         if PREREAD and tile_start == start:
