@@ -52,6 +52,7 @@ LAUNCH_OPTIONS = {
     "layers-split-a-tile": {"solo_tiles": 1},
     "layers-att4": {"att_stages": 4},  # attention's loop 4 stages deep (3 tiles in flight)
     "layers-att4-solo4": {"att_stages": 4, "solo_tiles": 4},  # and one split up to 4 tiles (128 tokens)
+    "layers-poll-merge": {"poll_merge": True},  # the current token's split merges after the others' count
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},

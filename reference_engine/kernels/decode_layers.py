@@ -89,8 +89,11 @@ _SOLO_TILES = 3
 # "att_stages": attention's history loop pipelined this deep (3, the launch's default, keeps 2 tiles in
 # flight: one split's loop trips then wait ~1 us each on the HBM); 4 keeps a solo split's 3 tiles in flight at
 # once, in the launch's shared memory as it is, 168 registers (sm_90, triton 3.6). Not yet measured on a GPU.
+# "poll_merge" True: the current token's split (the last active) merges its KV head's splits once the others
+# have counted their partials in (a release each), its own partial folded in from registers: no fence, ticket
+# round trip or reload of its own on its chain (the merge costs ~3 us a layer). Not yet measured on a GPU.
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
-           "uniform": True, "solo_tiles": _SOLO_TILES, "att_stages": 3}
+           "uniform": True, "solo_tiles": _SOLO_TILES, "att_stages": 3, "poll_merge": False}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -217,6 +220,7 @@ def _decode_layers_kernel(
     MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
     stride_kv_layer, UNIFORM: tl.constexpr, SOLO_TILES: tl.constexpr, ATT_STAGES: tl.constexpr,
+    POLL_MERGE: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -294,7 +298,7 @@ def _decode_layers_kernel(
                 stride_vh, 0, A, HEAD_DIM, 0,
                 kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
                 NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
-                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot, ATT_STAGES,
+                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot, ATT_STAGES, POLL_MERGE,
             )
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
@@ -490,7 +494,7 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED, stride_kv_layer=stack.kv_layer_stride,
         UNIFORM=stack.uniform and OPTIONS["uniform"], SOLO_TILES=OPTIONS["solo_tiles"],
-        ATT_STAGES=OPTIONS["att_stages"],
+        ATT_STAGES=OPTIONS["att_stages"], POLL_MERGE=OPTIONS["poll_merge"],
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]
