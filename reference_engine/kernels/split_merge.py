@@ -98,6 +98,17 @@ def store_partial(part_acc_ptr, part_ml_ptr, first_row, split, m, l_s, acc,
 
 
 @triton.jit
+def _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A merged (l, acc) of heads head0 .. head0 + GROUP - 1, normalised, as the output."""
+    offs_h = tl.arange(0, GROUP_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + (head0 + offs_h)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_row, count, split_step, head0, stride_oh,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
@@ -105,11 +116,7 @@ def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_row, count, split_s
     and store the normalised outputs."""
     m_run, l_run, acc = fold_partials(part_acc_ptr, part_ml_ptr, first_row, 0, count, split_step,
                                       NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, CHUNK)
-    offs_h = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    tl.store(out_ptr + (head0 + offs_h)[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+    _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -140,11 +147,7 @@ def merge_with_own(part_acc_ptr, part_ml_ptr, out_ptr, first_row, others, m_own,
     beta = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_safe))
     l_run = l_run * alpha + l_s * beta
     acc = acc * alpha[:, None] + a_s * beta[:, None]
-    offs_h = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    tl.store(out_ptr + (head0 + offs_h)[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+    _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
