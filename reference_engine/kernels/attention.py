@@ -255,35 +255,28 @@ def attend_split(
         # Partials laid out [B, Hq, NUM_SPLITS, ...].
         first_row = seq * num_kv_heads * GROUP + kv_head * GROUP
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
-        if POLL_MERGE:  # the last active split (the current token's) merges
-            if (split == active - 1) & (active <= MERGE_GROUP):
-                # It waits for the others' count instead of drawing the last ticket: no fence and no round
-                # trip for its own partial, which it folds in from registers.
-                wait_for_count(ticket_ptr, active - 1)
-                merge_with_own(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active - 1,
-                               m_i, l_i, acc, kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2,
-                               HEAD_DIM, BLOCK_D, BLOCK_G, MERGE_CHUNK)
-                if RESET_TICKET:
-                    tl.atomic_xchg(ticket_ptr, 0)
-                final = 1
-            else:
-                store_split_partial(part_acc_ptr, part_ml_ptr, first_row, split, m_i, l_i, acc, GROUP,
-                                    NUM_SPLITS, BLOCK_G, BLOCK_D)
-                if active <= MERGE_GROUP:
-                    tl.debug_barrier()  # every thread's stores before the release
-                    tl.atomic_add(ticket_ptr, 1, sem="release", scope="gpu")
-                else:
-                    final = ticket_merge(
-                        part_acc_ptr, part_ml_ptr, out_ptr, group_tickets_ptr, ticket_ptr, first_row, seq,
-                        kv_head, split, num_kv_heads, active, stride_ob, stride_oh, GROUP, HEAD_DIM,
-                        NUM_SPLITS, BLOCK_D, GROUP_P2, MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, RESET_TICKET)
+        # POLL_MERGE: the last active split (the current token's) merges after the others' count.
+        if POLL_MERGE & (split == active - 1) & (active <= MERGE_GROUP):
+            # It waits for the others' count instead of drawing the last ticket: no fence and no round trip
+            # for its own partial, which it folds in from registers.
+            wait_for_count(ticket_ptr, active - 1)
+            merge_with_own(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active - 1, m_i,
+                           l_i, acc, kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM,
+                           BLOCK_D, BLOCK_G, MERGE_CHUNK)
+            if RESET_TICKET:
+                tl.atomic_xchg(ticket_ptr, 0)
+            final = 1
         else:
             store_split_partial(part_acc_ptr, part_ml_ptr, first_row, split, m_i, l_i, acc, GROUP,
                                 NUM_SPLITS, BLOCK_G, BLOCK_D)
-            final = ticket_merge(
-                part_acc_ptr, part_ml_ptr, out_ptr, group_tickets_ptr, ticket_ptr, first_row, seq, kv_head,
-                split, num_kv_heads, active, stride_ob, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_D,
-                GROUP_P2, MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, RESET_TICKET)
+            if POLL_MERGE & (active <= MERGE_GROUP):
+                tl.debug_barrier()  # every thread's stores before the release
+                tl.atomic_add(ticket_ptr, 1, sem="release", scope="gpu")
+            else:
+                final = ticket_merge(
+                    part_acc_ptr, part_ml_ptr, out_ptr, group_tickets_ptr, ticket_ptr, first_row, seq,
+                    kv_head, split, num_kv_heads, active, stride_ob, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS,
+                    BLOCK_D, GROUP_P2, MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, RESET_TICKET)
     return final
 
 

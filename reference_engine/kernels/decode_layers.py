@@ -250,7 +250,7 @@ def _decode_layers_kernel(
     stride_kv_layer, UNIFORM: tl.constexpr, SOLO_TILES: tl.constexpr, ATT_STAGES: tl.constexpr,
     POLL_MERGE: tl.constexpr, PREFETCH_HISTORY: tl.constexpr, HISTORY: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)  # x0 is the embedding kernel's output; the counters were reset by the last launch
+    pdl_prologue(USE_PDL)  # x0 (the embedding) is an earlier kernel's; the last launch reset the counters
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     n_q = tl.cdiv(QKV, Q_N)
     n_att = NUM_KV_HEADS * NUM_SPLITS
