@@ -50,12 +50,6 @@ LAUNCH_OPTIONS = {
     "layers-no-ahead": {"o_ahead": False},
     "layers-table": {"uniform": False},
     "layers-split-a-tile": {"solo_tiles": 1},
-    "layers-att4": {"att_stages": 4},  # attention's loop 4 stages deep (3 tiles in flight)
-    "layers-att4-solo4": {"att_stages": 4, "solo_tiles": 4},  # and one split up to 4 tiles (128 tokens)
-    "layers-poll-merge": {"poll_merge": True},  # the current token's split merges after the others' count
-    "layers-prefetch": {"prefetch_history": True},  # each split asks L2 for its history before its wait
-    # one split up to 8 tiles (256 tokens), its loop 4 stages deep over a history asked of L2 early
-    "layers-solo8-att4-prefetch": {"solo_tiles": 8, "att_stages": 4, "prefetch_history": True},
     "layers-skip-attention": {"skip": 2},
     "layers-skip-h": {"skip": 4},
     "layers-skip-act": {"skip": 8},

@@ -48,14 +48,9 @@ GEMM_VARIANTS = {  # name: config rewrite (cfg, n, k, rows, silu) -> cfg, applie
     "o-pairs": None,  # each o_proj program holds one tile across attention and streams a second after it
     "o-no-ahead": None,  # o_proj's first half does not ask L2 for the second half's weights
     "embedding-launch": None,  # the embedding gather in its own launch (not with decode_inputs)
-    "poll-merge": None,  # attention's current-token split merges after the others' count (no ticket)
-    "att4-solo4": None,  # attention's loop 4 stages deep, one split up to 4 tiles
-    "solo8-att4-prefetch": None,  # one split up to 8 tiles, 4 stages, its history asked of L2 before the wait
 }
 _LAUNCH_OPTIONS = {"o-walk": {"o_proj_whole": False}, "o-pairs": {"o_proj_tiles": 2},
-                   "o-no-ahead": {"o_ahead": False}, "poll-merge": {"poll_merge": True},
-                   "att4-solo4": {"att_stages": 4, "solo_tiles": 4},
-                   "solo8-att4-prefetch": {"solo_tiles": 8, "att_stages": 4, "prefetch_history": True}}
+                   "o-no-ahead": {"o_ahead": False}}
 _DECODE_LAYERS_OPTIONS = dict(decode_layers.OPTIONS)
 _LAYER_TAIL = {"tail-without-qkv": "o+mlp", "mlp-launch": "mlp", "separate-launches": "off",
                "layer-launches": "o+mlp+qkv"}

@@ -24,11 +24,11 @@ from reference_engine.kernels.pdl import INTERPRETED, launch_options, pdl_prolog
 from reference_engine.kernels.rope import norm_rope_heads
 from reference_engine.kernels.split_merge import (
     counters_for,
-    merge_with_own,
-    store_split_partial,
-    ticket_merge,
+    fold_partials,
+    last_to_arrive,
+    merge_partials,
+    store_partial,
     tickets_for,
-    wait_for_count,
 )
 
 # Fewer tiles per split than this and the merge costs more than the parallelism gains; more splits than
@@ -155,17 +155,13 @@ def attend_split(
     PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP_P2: tl.constexpr,
     MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, MERGE_CHUNK: tl.constexpr = 2,
     RESET_TICKET: tl.constexpr = True, PREREAD: tl.constexpr = False, first_blocks=0, slot_read=0,
-    STAGES: tl.constexpr = None, POLL_MERGE: tl.constexpr = False,
 ):
     """One active split of (seq, kv_head) over tokens [start, end) (from `split_bounds`). Returns 1 in the
     program that stored the group's final output (the only split, or the last to arrive, which merged),
     else 0: decode_layers.py counts that output done for its consumers. Without RESET_TICKET the caller
     zeroes the (seq, kv_head) ticket after that (off the chain to the consumers). With PREREAD the caller
     read the step's metadata before waiting for its input (`read_step_metadata`): the first tile's block
-    numbers and the sequence's slot_mapping entry (`slot_read`, int64). STAGES: the history loop's pipeline
-    depth (None: the launch's num_stages); STAGES - 1 tiles are in flight while one is summed. POLL_MERGE (up
-    to MERGE_GROUP splits): the last active split merges after the others' release count, its own partial
-    from registers, instead of the last to draw the ticket."""
+    numbers and the sequence's slot_mapping entry (`slot_read`, int64)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
@@ -209,7 +205,7 @@ def attend_split(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for tile_start in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+    for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n
         mask_n = tokens < end
         if PREREAD and tile_start == start:
@@ -254,29 +250,47 @@ def attend_split(
     else:
         # Partials laid out [B, Hq, NUM_SPLITS, ...].
         first_row = seq * num_kv_heads * GROUP + kv_head * GROUP
+        mine = (first_row + offs_g) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
+        tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
+        # MERGE_CHUNK splits a round trip: in the attention kernel 2 was the fastest of 2, 4 and 8 at batch 1
+        # (H200); decode_layers.py passes its own.
         ticket_ptr = tickets_ptr + seq * num_kv_heads + kv_head
-        # POLL_MERGE: the last active split (the current token's) merges after the others' count.
-        if POLL_MERGE & (split == active - 1) & (active <= MERGE_GROUP):
-            # It waits for the others' count instead of drawing the last ticket: no fence and no round trip
-            # for its own partial, which it folds in from registers.
-            wait_for_count(ticket_ptr, active - 1)
-            merge_with_own(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active - 1, m_i,
-                           l_i, acc, kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM,
-                           BLOCK_D, BLOCK_G, MERGE_CHUNK)
-            if RESET_TICKET:
-                tl.atomic_xchg(ticket_ptr, 0)
-            final = 1
+        if active <= MERGE_GROUP:
+            if last_to_arrive(ticket_ptr, active):
+                small = (MERGE_CHUNK > 2) & (active <= MERGE_CHUNK // 2)  # half the tile holds them all
+                if small:
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
+                                   kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
+                                   MERGE_CHUNK // 2)
+                else:
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
+                                   kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
+                                   MERGE_CHUNK)
+                if RESET_TICKET:  # ready for the next launch (graph replays reuse the counters)
+                    tl.atomic_xchg(ticket_ptr, 0)
+                final = 1
         else:
-            store_split_partial(part_acc_ptr, part_ml_ptr, first_row, split, m_i, l_i, acc, GROUP,
-                                NUM_SPLITS, BLOCK_G, BLOCK_D)
-            if POLL_MERGE & (active <= MERGE_GROUP):
-                tl.debug_barrier()  # every thread's stores before the release
-                tl.atomic_add(ticket_ptr, 1, sem="release", scope="gpu")
-            else:
-                final = ticket_merge(
-                    part_acc_ptr, part_ml_ptr, out_ptr, group_tickets_ptr, ticket_ptr, first_row, seq,
-                    kv_head, split, num_kv_heads, active, stride_ob, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS,
-                    BLOCK_D, GROUP_P2, MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, RESET_TICKET)
+            # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the
+            # run's first split, and the last run to finish merges those (16 -> 6 round trips at 32 splits).
+            lo = split // MERGE_GROUP * MERGE_GROUP
+            run = (seq * num_kv_heads + kv_head) * NUM_GROUPS + split // MERGE_GROUP
+            run_ticket = group_tickets_ptr + run
+            run_size = tl.minimum(active - lo, MERGE_GROUP)
+            if last_to_arrive(run_ticket, run_size):
+                m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo, run_size, 1,
+                                                      NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, MERGE_CHUNK)
+                store_partial(part_acc_ptr, part_ml_ptr, first_row, lo, m_run, l_run, acc_run,
+                              NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D)
+                tl.atomic_xchg(run_ticket, 0)
+                if last_to_arrive(ticket_ptr, tl.cdiv(active, MERGE_GROUP)):
+                    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row,
+                                   tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
+                                   NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+                    if RESET_TICKET:
+                        tl.atomic_xchg(ticket_ptr, 0)
+                    final = 1
     return final
 
 

@@ -86,18 +86,8 @@ _SOLO_TILES = 3
 # and the layer takes 61.3-61.8 against 60.0-60.3 us at 170 tokens (H200; docs/benchmarks.md).
 # "o_ahead" False: o_proj's first half does not ask L2 for the second half's weights.
 # "solo_tiles": _SOLO_TILES overridden (1: a split a tile from two tiles up, as before).
-# "att_stages": attention's history loop pipelined this deep (3, the launch's default, keeps 2 tiles in
-# flight: one split's loop trips then wait ~1 us each on the HBM); 4 keeps a solo split's 3 tiles in flight at
-# once, in the launch's shared memory as it is, 168 registers (sm_90, triton 3.6). Not yet measured on a GPU.
-# "poll_merge" True: the current token's split (the last active) merges its KV head's splits once the others
-# have counted their partials in (a release each), its own partial folded in from registers: no fence, ticket
-# round trip or reload of its own on its chain (the merge costs ~3 us a layer). Not yet measured on a GPU.
-# "prefetch_history" True: each split asks L2 for its k and v history rows before waiting for qkv (~0.7 MB a
-# layer at 170 tokens), so a split's loop trips wait on L2, not HBM: with "solo_tiles" up to 8 and
-# "att_stages" 4, one split might take 256 tokens for less than the merge. Not yet measured on a GPU.
 OPTIONS = {"skip": 0, "o_proj_whole": True, "maxnreg": 0, "trace": None, "o_proj_tiles": 1, "o_ahead": True,
-           "uniform": True, "solo_tiles": _SOLO_TILES, "att_stages": 3, "poll_merge": False,
-           "prefetch_history": False}
+           "uniform": True, "solo_tiles": _SOLO_TILES}
 # Attention's split merge here: up to 16 splits in one level, their partials loaded in one round trip (8 when
 # they fit). H200, us a layer at 170 / 1024 tokens: 61.22 / 63.99 against 61.39 / 66.77 with the attention
 # kernel's (runs of 8, two splits a trip); 8 a trip in runs of 8: 61.32 / 68.19.
@@ -156,30 +146,6 @@ def _bulk_prefetch_l2(ptr, BYTES: tl.constexpr):
         "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [ptr.to(tl.int64), tl.full((), BYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(rows, valid, ROW_BYTES: tl.constexpr):
-    """Ask L2 for ROW_BYTES bytes at each of `rows` where `valid`: a bulk prefetch a row (nothing waits for
-    it). GPU only."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r,r", [rows.to(tl.int64), valid.to(tl.int32), tl.full((), ROW_BYTES, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_history(k_ptr, v_ptr, block_tables_ptr, start, end, kv_head, stride_kb, stride_kt, stride_kh,
-                      stride_vb, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr, HISTORY: tl.constexpr,
-                      ROW_BYTES: tl.constexpr):
-    """Ask L2 for the k and v rows of tokens [start, min(end, start + HISTORY)) of one KV head."""
-    tokens = start + tl.arange(0, HISTORY)
-    valid = tokens < end
-    block = tl.load(block_tables_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    within = tokens % BLOCK_SIZE
-    _prefetch_rows(k_ptr + block * stride_kb + within * stride_kt + kv_head * stride_kh, valid, ROW_BYTES)
-    _prefetch_rows(v_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh, valid, ROW_BYTES)
 
 
 @triton.jit
@@ -247,8 +213,7 @@ def _decode_layers_kernel(
     ATT_CHUNKS: tl.constexpr, O_WHOLE: tl.constexpr, O_TILES: tl.constexpr, A_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, O_AHEAD: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, GLOBAL_TIMER: tl.constexpr,
-    stride_kv_layer, UNIFORM: tl.constexpr, SOLO_TILES: tl.constexpr, ATT_STAGES: tl.constexpr,
-    POLL_MERGE: tl.constexpr, PREFETCH_HISTORY: tl.constexpr, HISTORY: tl.constexpr,
+    stride_kv_layer, UNIFORM: tl.constexpr, SOLO_TILES: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # x0 (the embedding) is an earlier kernel's; the last launch reset the counters
     vid = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -316,10 +281,6 @@ def _decode_layers_kernel(
             # patched in: docs/benchmarks.md).
             blocks, slot = read_step_metadata(block_tables_ptr, slot_ptr, 0, 0, start, end, BLOCK_SIZE,
                                               BLOCK_N)
-            if PREFETCH_HISTORY:  # ask L2 for the split's k and v rows while qkv streams
-                _prefetch_history(k_l, v_l, block_tables_ptr, start, end, kv_head, stride_kb, stride_kt,
-                                  stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, HISTORY,
-                                  HEAD_DIM * 2)
             _wait_for(qkv_flags + kv_head, (GROUP + 2) * HEAD_DIM // Q_N, FLAGS, NO_WAIT)
             _stamp(trace_ptr, layer, _ATTENTION_WAITED, True, TRACE, GLOBAL_TIMER, LAYERS)
             final = attend_split(
@@ -330,7 +291,7 @@ def _decode_layers_kernel(
                 stride_vh, 0, A, HEAD_DIM, 0,
                 kv_head, split, NUM_KV_HEADS, seq_len, start, end, active, GROUP, HEAD_DIM, BLOCK_SIZE,
                 NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION, True, NUM_Q_HEADS, GROUP_P2,
-                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot, ATT_STAGES, POLL_MERGE,
+                MERGE_GROUP, NUM_GROUPS, MERGE_CHUNK, False, True, blocks, slot,
             )
             if final != 0:  # the group's output fills ATT_CHUNKS o_proj chunks (or part of one)
                 for i in tl.static_range(ATT_CHUNKS):
@@ -526,9 +487,6 @@ def _launch(x, stack: LayerStack, slot_mapping, block_tables, seq_lens, cos, sin
         trace_ptr=sync if trace is None else trace, TRACE=trace is not None,
         GLOBAL_TIMER=not INTERPRETED, stride_kv_layer=stack.kv_layer_stride,
         UNIFORM=stack.uniform and OPTIONS["uniform"], SOLO_TILES=OPTIONS["solo_tiles"],
-        ATT_STAGES=OPTIONS["att_stages"], POLL_MERGE=OPTIONS["poll_merge"],
-        PREFETCH_HISTORY=OPTIONS["prefetch_history"] and not INTERPRETED,
-        HISTORY=triton.next_power_of_2(max(OPTIONS["solo_tiles"], 2) * block_n),
         num_warps=t.num_warps, **pdl, **({"maxnreg": OPTIONS["maxnreg"]} if OPTIONS["maxnreg"] else {}),
     )
     return xs[layers - 1 :]

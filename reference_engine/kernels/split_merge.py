@@ -4,10 +4,7 @@ Each program stores its partial and draws a ticket (`last_to_arrive`); the one d
 combines the partials in a fixed order and resets the counter. No second launch, and the result does not
 depend on which program finished last. Split attention merges per (sequence, KV head) with
 `merge_partials`, above 8 active splits in two levels (`fold_partials` + `store_partial` per run of splits,
-then the runs, `ticket_merge` after `store_split_partial`); the greedy argmax (step_ops.py) merges per row. A
-benchmark alternative (decode_layers' "poll_merge"): the splits count their partials in with release
-increments and one split merges once `wait_for_count` sees them all, its own partial from registers
-(`merge_with_own`).
+then the runs); the greedy argmax (step_ops.py) merges per row.
 """
 
 from __future__ import annotations
@@ -98,17 +95,6 @@ def store_partial(part_acc_ptr, part_ml_ptr, first_row, split, m, l_s, acc,
 
 
 @triton.jit
-def _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A merged (l, acc) of heads head0 .. head0 + GROUP - 1, normalised, as the output."""
-    offs_h = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    tl.store(out_ptr + (head0 + offs_h)[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_row, count, split_step, head0, stride_oh,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
@@ -116,96 +102,8 @@ def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_row, count, split_s
     and store the normalised outputs."""
     m_run, l_run, acc = fold_partials(part_acc_ptr, part_ml_ptr, first_row, 0, count, split_step,
                                       NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, CHUNK)
-    _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def wait_for_count(counter_ptr, target):
-    """Spin until the counter reaches `target` (acquire: what the counted programs stored before their
-    release increments is visible after)."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def merge_with_own(part_acc_ptr, part_ml_ptr, out_ptr, first_row, others, m_own, l_own, acc_own, head0,
-                   stride_oh, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr):
-    """merge_partials over the stored partials of splits 0 .. others - 1, then this program's own (m, l, acc)
-    ([BLOCK_G] rows, the first GROUP its heads) from registers, folded last: its partial is never stored."""
-    m_run, l_run, acc = fold_partials(part_acc_ptr, part_ml_ptr, first_row, 0, others, 1, NUM_SPLITS, GROUP,
-                                      GROUP_P2, BLOCK_D, CHUNK)
-    first = tl.arange(0, BLOCK_G // GROUP_P2) == 0  # own rows 0 .. GROUP_P2 - 1, the heads
-    m_s = tl.sum(tl.where(first[:, None], tl.reshape(m_own, (BLOCK_G // GROUP_P2, GROUP_P2)), 0.0), axis=0)
-    l_s = tl.sum(tl.where(first[:, None], tl.reshape(l_own, (BLOCK_G // GROUP_P2, GROUP_P2)), 0.0), axis=0)
-    a_s = tl.sum(tl.where(first[:, None, None], tl.reshape(acc_own, (BLOCK_G // GROUP_P2, GROUP_P2, BLOCK_D)),
-                          0.0), axis=0)
-    m_new = tl.maximum(m_run, m_s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.where(m_run == float("-inf"), 0.0, tl.exp(m_run - m_safe))
-    beta = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_safe))
-    l_run = l_run * alpha + l_s * beta
-    acc = acc * alpha[:, None] + a_s * beta[:, None]
-    _store_heads(out_ptr, head0, stride_oh, l_run, acc, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def store_split_partial(part_acc_ptr, part_ml_ptr, first_row, split, m_i, l_i, acc, GROUP: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A split's (m, l, acc) of [BLOCK_G] rows (the first GROUP its heads) as its partial."""
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_h = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < GROUP
-    mine = (first_row + offs_g) * NUM_SPLITS + split
-    tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
-    tl.store(part_ml_ptr + mine * 2, m_i, mask=mask_g)
-    tl.store(part_ml_ptr + mine * 2 + 1, l_i, mask=mask_g)
-
-
-@triton.jit
-def ticket_merge(part_acc_ptr, part_ml_ptr, out_ptr, group_tickets_ptr, ticket_ptr, first_row, seq, kv_head,
-                 split, num_kv_heads, active, stride_ob, stride_oh, GROUP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-                 GROUP_P2: tl.constexpr, MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                 MERGE_CHUNK: tl.constexpr, RESET_TICKET: tl.constexpr):
-    """After this split's partial is stored: the last to draw the ticket merges (one level up to MERGE_GROUP
-    splits, else two). Returns 1 where the output was stored."""
-    final = 0
-    # MERGE_CHUNK splits a round trip: in the attention kernel 2 was the fastest of 2, 4 and 8 at batch 1
-    # (H200); decode_layers.py passes its own.
-    if active <= MERGE_GROUP:
-        if last_to_arrive(ticket_ptr, active):
-            small = (MERGE_CHUNK > 2) & (active <= MERGE_CHUNK // 2)  # half the tile holds them all
-            if small:
-                merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
-                               kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
-                               MERGE_CHUNK // 2)
-            else:
-                merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row, active, 1,
-                               kv_head * GROUP, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
-                               MERGE_CHUNK)
-            if RESET_TICKET:  # ready for the next launch (graph replays reuse the counters)
-                tl.atomic_xchg(ticket_ptr, 0)
-            final = 1
-    else:
-        # Two levels: the last split of each run of MERGE_GROUP folds the run into the partial of the
-        # run's first split, and the last run to finish merges those (16 -> 6 round trips at 32 splits).
-        lo = split // MERGE_GROUP * MERGE_GROUP
-        run = (seq * num_kv_heads + kv_head) * NUM_GROUPS + split // MERGE_GROUP
-        run_ticket = group_tickets_ptr + run
-        run_size = tl.minimum(active - lo, MERGE_GROUP)
-        if last_to_arrive(run_ticket, run_size):
-            m_run, l_run, acc_run = fold_partials(part_acc_ptr, part_ml_ptr, first_row, lo, run_size, 1,
-                                                  NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D, MERGE_CHUNK)
-            store_partial(part_acc_ptr, part_ml_ptr, first_row, lo, m_run, l_run, acc_run,
-                          NUM_SPLITS, GROUP, GROUP_P2, BLOCK_D)
-            tl.atomic_xchg(run_ticket, 0)
-            if last_to_arrive(ticket_ptr, tl.cdiv(active, MERGE_GROUP)):
-                merge_partials(part_acc_ptr, part_ml_ptr, out_ptr + seq * stride_ob, first_row,
-                               tl.cdiv(active, MERGE_GROUP), MERGE_GROUP, kv_head * GROUP, stride_oh,
-                               NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
-                if RESET_TICKET:
-                    tl.atomic_xchg(ticket_ptr, 0)
-                final = 1
-    return final
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + (head0 + offs_h)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
