@@ -8,7 +8,8 @@ configuration, for the decode steps at one request: median step, GPU idle waitin
 step), CPU busy share, CPU-bound steps, and the client's tokens/s per request. The configurations walk the
 case study's path on our engine: no graphs -> a graph per model forward (vLLM's default) -> one CUDA graph
 per whole step, each with the torch and the Triton decode kernels, all with async scheduling, plus the
-one-graph step without async scheduling and eager steps with host-side speculative decoding. On a CPU (tiny
+one-graph step without async scheduling, eager steps with host-side speculative decoding, and speculative
+decoding inside the one-graph step (drafts, verification and acceptance on the device). On a CPU (tiny
 preset) GPU idle is n/a: no CUDA events.
 """
 
@@ -40,6 +41,10 @@ CONFIGS = {  # name: (label, reference_engine serve flags)
     "eager-triton-spec4": ("no graphs, Triton, 4 prompt-lookup drafts, sync",
                            ["--graph", "eager", "--kernels", "triton", "--spec-tokens", "4",
                             "--no-async-scheduling"]),
+    # The case study's change: drafting, verification and acceptance inside the one graph per step.
+    "step-triton-spec4": ("one graph per step, Triton, 4 prompt-lookup drafts on the device",
+                          ["--graph", "step", "--kernels", "triton", "--spec-tokens", "4", "--drafter",
+                           "device"]),
 }
 
 

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from reference_engine.config import DEVICES, GRAPH_MODES, KERNEL_CHOICES, PRESETS
+from reference_engine.config import DEVICES, DRAFTERS, GRAPH_MODES, KERNEL_CHOICES, PRESETS
 
 PROCESS_START = time.perf_counter()  # torch is imported later: counts it in the time-to-ready log line
 
@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-blocks", type=positive_int, help="KV-cache blocks (default: enough for all)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--spec-tokens", type=int, default=0,
-                       help="prompt-lookup draft tokens verified per decode step (eager, sync; 0: off)")
+                       help="prompt-lookup draft tokens verified per decode step (0: off)")
+    serve.add_argument("--drafter", choices=DRAFTERS, default="host",
+                       help="host: drafts and acceptance on the engine thread (eager, sync); device: inside "
+                            "the step (graph eager or step, sync or async)")
     serve.add_argument("--queue-limit", type=positive_int,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 (default: none)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             preset=args.preset, model=args.model, max_model_len=args.max_model_len, device=args.device,
             graph=args.graph, kernels=args.kernels, async_scheduling=args.async_scheduling,
             max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
-            seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens,
+            seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens, drafter=args.drafter,
             one_launch_layers=args.one_launch_layers,
         )
     except (ValueError, OSError) as exc:

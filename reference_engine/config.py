@@ -37,6 +37,7 @@ PRESETS: dict[str, dict] = {
 
 GRAPH_MODES = ("eager", "model", "step")
 MAX_SPEC_TOKENS = 32
+DRAFTERS = ("host", "device")
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -76,9 +77,12 @@ class Config:
     max_num_batched_tokens: int | None = None  # prefill token budget per step; None: max(max_model_len, 2048)
     seed: int = 0
     queue_limit: int | None = None  # for the server: pending requests beyond this are refused
-    # Speculative decoding: up to this many prompt-lookup draft tokens per greedy sequence and decode step,
-    # verified in one eager forward (sync scheduling). 0: off.
+    # Speculative decoding: up to this many prompt-lookup draft tokens per sequence and decode step. 0: off.
     spec_tokens: int = 0
+    # Where drafts are proposed and accepted: "host" (speculative.py: on the engine thread, greedy sequences,
+    # one eager verify step, sync scheduling) or "device" (spec_device.py: inside the step, every sequence,
+    # graph eager or step, sync or async).
+    drafter: str = "host"
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.model is not None:
@@ -152,9 +156,14 @@ class Config:
             raise ValueError("max_num_batched_tokens must be at least max_model_len (prefill is not chunked)")
         if not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= MAX_SPEC_TOKENS:
             raise ValueError(f"spec_tokens must be 0..{MAX_SPEC_TOKENS}, got {self.spec_tokens!r}")
-        if self.spec_tokens and (self.graph != "eager" or self.async_scheduling):
-            raise ValueError("spec_tokens needs graph 'eager' and sync scheduling (drafts are verified in an "
-                             "eager step; inside the one-graph step is the roadmap)")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.spec_tokens and self.drafter == "host" and (self.graph != "eager" or self.async_scheduling):
+            raise ValueError("spec_tokens with the host drafter needs graph 'eager' and sync scheduling (its "
+                             "drafts are verified in an eager step); drafter 'device' runs inside the step")
+        if self.spec_tokens and self.drafter == "device" and self.graph == "model":
+            raise ValueError("drafter 'device' runs with graph 'eager' or 'step' (the speculative step is "
+                             "one graph, not a forward graph)")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

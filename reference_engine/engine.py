@@ -10,11 +10,14 @@ that the sampler writes and the next step reads. Sampled tokens are copied to a 
 event, and consumed one step later. The cost: a sequence that hit EOS runs one extra step (its token is
 dropped).
 
-Speculative decoding (Config.spec_tokens, eager and sync only): the scheduler attaches prompt-lookup drafts to
-greedy sequences; prepare_inputs builds one row per sequence token to check (its last token, then its drafts,
-at consecutive positions); launch runs them as one eager forward (`StepRunner.verify`); update_requests keeps
-the drafts that equal the target's tokens plus the target's next token. All of it runs on the host around the
-step, the CPU work a general engine pays (the case study's baseline); the in-graph version is the roadmap's.
+Speculative decoding (Config.spec_tokens), host drafter (eager and sync only): the scheduler attaches
+prompt-lookup drafts to greedy sequences; prepare_inputs builds one row per sequence token to check (its last
+token, then its drafts, at consecutive positions); launch runs them as one eager forward
+(`StepRunner.verify`); update_requests keeps the drafts that equal the target's tokens plus the target's next
+token. All of it runs on the host around the step, the CPU work a general engine pays (the case study's
+baseline). Device drafter (Config.drafter = "device"): drafts, verification and acceptance run inside the
+step (spec_device.py; one CUDA graph in graph "step", with or without async scheduling), and
+update_requests only appends each sequence's new tokens from its row of results.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from reference_engine import spec_device
 from reference_engine.config import Config
 from reference_engine.graphs import (
     META_BLOCKS,
@@ -75,6 +79,7 @@ class InFlight:
     host_tokens: torch.Tensor  # pinned view [rows], valid once `ready` has completed
     ready: torch.cuda.Event | None  # None on CPU: the copy was synchronous
     rows: list[int] | None = None  # verify steps: rows per sequence (its last token + its drafts)
+    spec: bool = False  # a step drafted on the device: a row of results per sequence (spec_device.py)
 
 
 class Engine:
@@ -230,7 +235,7 @@ class Engine:
         Verify steps (speculative decoding) build their own per-token rows instead."""
         slot = self.buffers.next_slot()
         greedy_only = all(s.params.greedy for s in batch.seqs)
-        if batch.phase == "decode" and self.config.spec_tokens:
+        if batch.phase == "decode" and self.config.spec_tokens and not self.buffers.spec_k:
             return {"slot": slot, "greedy_only": greedy_only, **verify_rows(batch, self.config)}
         rows = self.buffers.host_meta_np[slot]
         padded = self.runner.padded_size(batch.num_seqs, batch.phase)
@@ -265,20 +270,26 @@ class Engine:
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             cu_seqlens.append(cu_seqlens[-1] + len(known))
+        lengths = np.diff(cu_seqlens)
         return {
             "ids": torch.tensor(ids, dtype=torch.int64),
             "positions": torch.from_numpy(np.concatenate(positions)),
             "slot_mapping": torch.from_numpy(np.concatenate(slots)),
             "cu_seqlens": cu_seqlens,
+            # Each token's sequence slot: the device drafter keeps a copy of every prompt.
+            "token_slots": torch.from_numpy(np.repeat([seq.slot for seq in batch.seqs], lengths)),
         }
 
     def launch(self, batch: ScheduledBatch, inputs: dict) -> InFlight:
         """Queue all of the step's device work on `self.stream`: copies in, compute, copy of tokens out."""
         rows = inputs.get("verify")
-        if rows is None:
-            out = self.buffers.host_out[inputs["slot"]][: batch.num_seqs]
-        else:
+        spec = batch.phase == "decode" and bool(self.buffers.spec_k)
+        if rows is not None:
             out = self.buffers.host_verify_out[inputs["slot"]][: sum(rows)]
+        elif spec:
+            out = self.buffers.host_spec_out[inputs["slot"]][: batch.num_seqs]
+        else:
+            out = self.buffers.host_out[inputs["slot"]][: batch.num_seqs]
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
             if batch.phase == "prefill":
@@ -288,6 +299,11 @@ class Engine:
             elif rows is not None:
                 sampled = self.runner.verify(inputs)
                 self.stats.decode_steps += 1
+            elif spec:
+                if self.runner.spec_decode(inputs):
+                    self.stats.graph_replays += 1
+                self.stats.decode_steps += 1
+                sampled = self.buffers.spec_out[: batch.num_seqs]
             else:
                 if self.runner.decode(inputs):
                     self.stats.graph_replays += 1
@@ -302,7 +318,7 @@ class Engine:
         for seq in batch.seqs:
             seq.num_cached = seq.num_tokens  # verify steps: set again once the accepted count is known
             seq.num_pending += 1
-        return InFlight(batch, out, ready, rows)
+        return InFlight(batch, out, ready, rows, spec)
 
     def wait_for_results(self, inflight: InFlight) -> list[int]:
         """Block until the step's sampled tokens are on the host."""
@@ -314,10 +330,14 @@ class Engine:
         """Append each sequence's new tokens, stop finished ones (EOS, max_tokens, max_model_len). Returns the
         drafts accepted in a verify step (None after other steps), for the hooks' accepted_tokens fact."""
         accepted = None
-        if inflight.rows is None:
-            per_seq = [[token] for token in tokens]
-        else:
+        if inflight.rows is not None:
             per_seq, drafted, accepted = accept(inflight.batch, inflight.rows, tokens)
+        elif inflight.spec:
+            live = [not seq.finished for seq in inflight.batch.seqs]
+            per_seq, drafted, accepted = spec_device.read_results(tokens, live)
+        else:
+            per_seq = [[token] for token in tokens]
+        if accepted is not None:
             self.stats.draft_tokens += drafted
             self.stats.accepted_tokens += accepted
         for seq, new in zip(inflight.batch.seqs, per_seq, strict=True):
@@ -337,7 +357,7 @@ class Engine:
                     reason = "length"
                 if reason is not None:
                     break
-            if inflight.rows is not None:
+            if inflight.rows is not None or inflight.spec:
                 # The k/v of the last token and the accepted drafts are valid; the newest token has none yet.
                 seq.num_cached = len(seq.prompt_ids) + len(seq.output_ids) - 1
             if reason is not None:

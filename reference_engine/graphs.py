@@ -19,16 +19,15 @@ Graph modes (Config.graph):
 Both capture a key on its second use: the first use runs eagerly, so one-time setup (cuBLAS handles, Triton
 autotuning, allocator growth) never happens inside a capture.
 
-Speculative decoding runs today as eager verify steps with host-side drafts and acceptance (Engine docstring,
-`StepRunner.verify`). Inside the one-graph step (the roadmap) it fits this frame without a rewrite:
-- the metadata row gains a draft-length column and the scheduler reserves blocks for num_cached + k + 1;
-- the step function becomes drafter (k tokens, reading its input from the token buffer like today) -> target
-  forward over the (1 + k) tokens of each row (the same paged cache, slot mapping computed on the device) ->
-  acceptance on the device (greedy or rejection sampling with the same counter-based noise) -> write the
-  accepted tokens and their count into fixed output buffers [B, k + 1] and [B], and the last accepted token
-  into the token buffer, all inside the captured graph;
-- the host side stays one copy in and one copy out per step; update_requests appends the accepted prefix
-  and advances num_cached by the count. Rejected drafts' k/v need no cleanup: later steps overwrite them.
+Speculative decoding runs two ways. With the host drafter, eager verify steps with host-side drafts and
+acceptance (Engine docstring, `StepRunner.verify`). With the device drafter (spec_device.py,
+`StepRunner.spec_decode`), inside the step: the drafter reads each sequence's tokens and length from device
+buffers (written by the prefill and by every speculative step), the target forward runs over the k + 1 rows
+of each sequence, and acceptance, the history write and the length update follow on the device. In graph
+"step" all of it is one graph per (batch size, greedy-only), as a plain decode step; the host still does one
+copy in (the metadata rows, positions unused) and one copy out ([B, k + 3] results) per step, and the
+scheduler reserves blocks for the k + 1 rows of every step the device may be ahead of it. Rejected drafts'
+k/v need no cleanup: later steps overwrite them.
 
 Measured on an H200 (qwen3-4b shape, triton kernels, 2026-11-30 and again 2026-12-01 with the fused
 projections and PDL): greedy tokens of eager, model and step graphs (sync and async) were bit-identical at one
@@ -44,6 +43,7 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
+from reference_engine import spec_device
 from reference_engine.config import Config
 from reference_engine.host_copy import copy_to
 from reference_engine.model import AttentionMetadata
@@ -84,6 +84,16 @@ class StepBuffers:
         # Verify steps (speculative decoding): every sequence's last token and drafts, one sampled token each.
         verify_rows = rows * (1 + config.spec_tokens) if config.spec_tokens else 0
         self.host_verify_out = [torch.zeros(verify_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Speculative steps drafted on the device (spec_device.py): each slot's tokens and length, and a row
+        # of results per sequence (k + 1 sampled tokens, how many are new, drafts proposed).
+        self.spec_k = config.spec_tokens if config.drafter == "device" else 0
+        width = spec_device.history_width(config.max_model_len, self.spec_k) if self.spec_k else 0
+        self.history = torch.zeros(rows + 1, width, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        out_width = self.spec_k + 3 if self.spec_k else 0
+        self.spec_out = torch.zeros(rows, out_width, dtype=torch.int64, device=device)
+        self.host_spec_out = [torch.zeros(rows, out_width, dtype=torch.int64, pin_memory=pin)
+                              for _ in range(2)]
         self._next = 0
 
     def next_slot(self) -> int:
@@ -187,6 +197,12 @@ class StepRunner:
             ids, positions, self.kv_caches, AttentionMetadata(slots, cu_seqlens=cu_seqlens)
         )
         self._sample_and_store(meta, self.model.compute_logits(hidden[last]), inputs["greedy_only"])
+        if self.buffers.spec_k:  # the device drafter's copy of each prompt and its first token
+            b = self.buffers
+            token_slots = inputs["token_slots"].to(device, non_blocking=True)
+            b.history[token_slots, positions.long()] = ids
+            spec_device.record(b.history, b.lengths, meta[:, META_SLOT], b.sampled[:count, None],
+                               torch.ones_like(last), positions[last].long() + 1)
 
     def decode(self, inputs: dict) -> bool:
         """Run one decode step over the padded batch. Returns True when a graph replay served it."""
@@ -224,6 +240,41 @@ class StepRunner:
         hidden = self.model.forward(ids, positions, self.kv_caches, attn, embedded=x)
         self._sample_and_store(meta, self.model.compute_logits(hidden), greedy_only)
         return replayed
+
+    def spec_decode(self, inputs: dict) -> bool:
+        """A speculative step drafted on the device (spec_device.py) over the batch; its results land in
+        buffers.spec_out. Returns True when a graph replay served it."""
+        size, greedy_only = inputs["padded"], inputs["greedy_only"]
+        copy_to(self.buffers.decode_meta[:size], self.buffers.host_meta[inputs["slot"]][:size])
+        if self.mode == "step":
+            return self.graphs.run(("spec", size, greedy_only), lambda: self._spec_decode(size, greedy_only))
+        self._spec_decode(size, greedy_only)
+        return False
+
+    def _spec_decode(self, size: int, greedy_only: bool) -> None:
+        b, cfg = self.buffers, self.config
+        k = b.spec_k
+        meta = b.decode_meta[:size]
+        slots = meta[:, META_SLOT].long()
+        rows = spec_device.verify_inputs(meta[:, META_BLOCKS:], slots, b.history, b.lengths, k=k,
+                                         block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+        attn = AttentionMetadata(rows["slot_mapping"], block_tables=rows["block_tables"],
+                                 seq_lens=rows["seq_lens"], shared_rows=True)
+        hidden = self.model.forward(rows["ids"], rows["positions"], self.kv_caches, attn)
+
+        def per_row(column: int) -> torch.Tensor:
+            return meta[:, column].repeat_interleave(k + 1)
+
+        sampled = sample(
+            self.model.compute_logits(hidden), temperature=per_row(META_TEMPERATURE).view(torch.float32),
+            top_p=per_row(META_TOP_P).view(torch.float32), top_k=per_row(META_TOP_K),
+            seeds=per_row(META_SEED),
+            positions=None if greedy_only else rows["positions"] + 1, greedy_only=greedy_only,
+            argmax=self.model.ops.argmax,
+        ).view(size, k + 1)
+        new = spec_device.accept(sampled, rows["drafts"], rows["lengths"], max_model_len=cfg.max_model_len)
+        spec_device.record(b.history, b.lengths, slots, sampled, new, rows["lengths"])
+        torch.cat([sampled, new[:, None], rows["proposed"][:, None]], dim=1, out=b.spec_out[:size])
 
     def verify(self, inputs: dict) -> torch.Tensor:
         """A speculative step, eagerly: the forward over every sequence's last token and drafts (rows built on

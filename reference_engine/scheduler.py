@@ -3,7 +3,9 @@
 Prefill and decode are separate steps (no chunked prefill): a step either prefills newly admitted sequences
 (whole prompts, up to the token budget) or decodes one token for every running sequence. Prefill goes first,
 so a new request waits at most one step to join. With speculative decoding (Config.spec_tokens) a decode
-step also carries each greedy sequence's prompt-lookup drafts (speculative.py), which take only free blocks.
+step also carries each greedy sequence's prompt-lookup drafts (speculative.py), which take only free blocks;
+with the device drafter (spec_device.py) the device drafts, and each step reserves blocks for the k + 1 rows
+of every step it may run ahead of the host.
 
 Admission control: a waiting sequence is admitted (FIFO, no overtaking) only when a sequence slot is free and
 the blocks for its whole known text are free now. Preemption: when a decode step needs a new block and none is
@@ -119,9 +121,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != "running" or not self.can_decode(seq):
                 continue
-            # This step writes k/v at position num_cached, so the table must hold num_cached + 1 tokens.
-            needed = seq.num_cached + 1
-            while len(seq.block_table) < self.blocks.blocks_for(needed) and not self.blocks.num_free:
+            needed = self._decode_reach(seq)
+            while self.blocks.blocks_for(needed) - len(seq.block_table) > self.blocks.num_free:
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -132,6 +133,9 @@ class Scheduler:
             scheduled.append(seq)
         if not scheduled:
             return None
+        if self.device_drafts:  # drafted on the device: k rows a sequence, whatever the drafter finds
+            k, count = self.config.spec_tokens, len(scheduled)
+            return ScheduledBatch(scheduled, "decode", count * (k + 1), spec_tokens=count * k)
         for seq in scheduled:
             # Drafts write k/v after the step's token, once every scheduled sequence has its block: they take
             # the room left in the table and the free blocks, and never cause a preemption.
@@ -142,12 +146,29 @@ class Scheduler:
         drafts = sum(len(seq.draft) for seq in scheduled)
         return ScheduledBatch(scheduled, "decode", len(scheduled) + drafts, spec_tokens=drafts)
 
+    @property
+    def device_drafts(self) -> bool:
+        return bool(self.config.spec_tokens) and self.config.drafter == "device"
+
+    def _decode_reach(self, seq: Sequence) -> int:
+        """Tokens the step's k/v writes may reach. A plain step writes position num_cached. A device-drafted
+        step writes k + 1 rows from the device's length, which each launched step whose tokens have not
+        reached the host may have advanced by up to k + 1 (spec_device.py). Never past the request's last
+        token (prompt + max_tokens, which submit checked fits the cache) or max_model_len: rows beyond the
+        table write into the reserved block 0, and their tokens are dropped by the host."""
+        if not self.device_drafts:
+            return seq.num_cached + 1
+        k = self.config.spec_tokens
+        known = len(seq.prompt_ids) + len(seq.output_ids)
+        last = len(seq.prompt_ids) + seq.params.max_tokens
+        return min(known + (seq.num_pending + 1) * (k + 1), last, self.config.max_model_len)
+
     def _draft(self, seq: Sequence) -> list[int]:
         """Prompt-lookup drafts for a greedy sequence, never past its max_tokens or max_model_len (the verify
         step yields up to len(draft) + 1 tokens). Sampled sequences get none: verifying them needs rejection
         sampling, which this engine does not do yet."""
         k = self.config.spec_tokens
-        if not k or not seq.params.greedy:
+        if not k or not seq.params.greedy or self.device_drafts:
             return []
         room = min(seq.params.max_tokens - len(seq.output_ids) - seq.num_pending,
                    self.config.max_model_len - seq.num_tokens) - 1

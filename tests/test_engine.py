@@ -322,8 +322,10 @@ def test_spec_decoding_under_block_pressure(model):
 def test_spec_tokens_config_errors():
     for changes, message in [
         (dict(spec_tokens=-1), "spec_tokens must be 0..32"),
-        (dict(spec_tokens=4, graph="step"), "spec_tokens needs graph 'eager' and sync scheduling"),
-        (dict(spec_tokens=4, async_scheduling=True), "spec_tokens needs graph 'eager' and sync scheduling"),
+        (dict(spec_tokens=4, graph="step"), "host drafter needs graph 'eager' and sync scheduling"),
+        (dict(spec_tokens=4, async_scheduling=True), "host drafter needs graph 'eager' and sync scheduling"),
+        (dict(spec_tokens=4, drafter="gpu"), "drafter must be one of host, device"),
+        (dict(spec_tokens=4, drafter="device", graph="model"), "drafter 'device' runs with graph 'eager' or"),
     ]:
         with pytest.raises(ValueError, match=message):
             Config(preset="tiny", device="cpu", **changes)
