@@ -10,7 +10,8 @@ lookup finds drafts) on one shared set of weights. Reported: ms per generated to
 time of the whole generation after a warm-up, divided by the tokens each request got), tokens a request gains
 a decode step (prefill's first token included), drafts accepted / proposed, decode steps, and how many tokens
 equal the plain step graph's before the first difference (verify rows run other kernels than one-row decode
-steps, so bf16 rounding may part them). Writes spec_decode.json under --out and prints a table last.
+steps, so bf16 rounding may part them; at batch 1 the logits of both tokens at the first difference are
+printed, from a prefill forward). Writes spec_decode.json under --out and prints a table last.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from reference_engine.config import Config  # noqa: E402
 from reference_engine.engine import Engine, SamplingParams  # noqa: E402
-from reference_engine.model import Qwen3Model  # noqa: E402
+from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
+from reference_engine.model import AttentionMetadata, Qwen3Model  # noqa: E402
 
 
 def sync() -> None:
@@ -81,6 +83,25 @@ def run_arm(model: Qwen3Model, base: Config, changes: dict, batch: int, args) ->
     }
 
 
+def first_difference(model: Qwen3Model, base: Config, prompt: list[int], reference: list[int],
+                     output: list[int]) -> dict | None:
+    """Where `output` first parts from `reference` (one request): the index and both tokens' logits there,
+    computed by a prefill forward over the prompt and the reference's tokens before it (a third kernel path:
+    near-ties show as logits within rounding of each other)."""
+    index = next((i for i, (a, b) in enumerate(zip(reference, output, strict=False)) if a != b), None)
+    if index is None:
+        return None
+    tokens = prompt + reference[:index]
+    caches = allocate_kv_cache(base, dtype=model.dtype)
+    device = model.embed.device
+    ids = torch.tensor(tokens, device=device)
+    positions = torch.arange(len(tokens), device=device)
+    meta = AttentionMetadata(positions + base.block_size, cu_seqlens=[0, len(tokens)])  # blocks 1, 2, ...
+    logits = model.compute_logits(model.forward(ids, positions, caches, meta)[-1:]).float()[0]
+    return {"index": index, "reference_logit": logits[reference[index]].item(),
+            "arm_logit": logits[output[index]].item(), "logit_std": logits.std().item()}
+
+
 def matching(outputs: list[list[int]], reference: list[list[int]]) -> int:
     """Tokens equal to the reference's before each request's first difference, summed."""
     same = 0
@@ -126,6 +147,9 @@ def main() -> None:
             reference = reference or outputs
             result.update(arm=name, batch=batch, same_tokens=matching(outputs, reference),
                           all_tokens=sum(len(o) for o in reference))
+            if batch == 1:
+                texts = prompts(1, args.prompt_len, args.period)
+                result["first_difference"] = first_difference(model, base, texts[0], reference[0], outputs[0])
             out["rows"].append(result)
             print(f"b={batch} {name}: {result['ms_per_token']:.3f} ms/token", flush=True)
         eager = f"device drafter k={ks[0]}, eager, sync"
@@ -145,6 +169,12 @@ def main() -> None:
         print(f"{row['arm']:<46} {row['batch']:>5} {row['ms_per_token']:>9.3f} "
               f"{row['tokens_per_step']:>8.2f} {accepted:>13} {row['decode_steps']:>6} "
               f"{row['same_tokens']:>6}/{row['all_tokens']:<7}")
+    for row in out["rows"]:
+        if row.get("first_difference"):
+            d = row["first_difference"]
+            print(f"b=1 {row['arm']}: first difference at token {d['index']}, logits there "
+                  f"{d['reference_logit']:.4f} (plain's token) / {d['arm_logit']:.4f} (this arm's), "
+                  f"logit std {d['logit_std']:.2f}")
     if twins:
         print(f"device drafter k={ks[0]}, one graph a step, async: tokens equal to its eager, sync run: "
               f"{', '.join(twins)}")

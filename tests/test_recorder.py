@@ -130,8 +130,8 @@ def test_idle_ends_the_step_and_belongs_to_no_step(tmp_path):
     idle = run.spans[run.spans["kind"] == "idle"].iloc[0]
     assert idle["step"] == -1 and idle["dur_ns"] >= 80_000
     s0, s1 = run.steps.iloc[0], run.steps.iloc[1]
+    # The step ends where the idle span starts (no timing bound: a loaded machine stretches the spins).
     assert s0["end_ns"] <= idle["start_ns"] and idle["start_ns"] + idle["dur_ns"] <= s1["start_ns"]
-    assert s0["end_ns"] - s0["start_ns"] < 80_000
 
 
 def test_extra_facts_become_columns_and_a_new_fact_starts_a_segment(tmp_path):
