@@ -148,3 +148,32 @@ def test_device_drafter_with_triton_kernels(model):
     expected = plain.generate([PROMPTS[0]], greedy(10))
     assert engine.generate([PROMPTS[0]], greedy(10)) == expected
     assert engine.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_drafter_mixed_batches_aborts_and_reused_slots(model, async_scheduling):
+    """A greedy and a sampled request in one batch; a request aborted mid-run frees its blocks, and the next
+    request takes its slot: the prefill rewrites the slot's device history, so its tokens are plain
+    decoding's."""
+    plain = make_engine(model)
+    sampled = SamplingParams(max_tokens=14, temperature=0.8, top_k=50, seed=3, ignore_eos=True)
+    params = [greedy(20), sampled]
+    expected = plain.generate(PROMPTS, params)
+    engine = make_engine(model, spec_tokens=3, drafter="device", async_scheduling=async_scheduling)
+    assert engine.generate(PROMPTS, params) == expected
+    doomed = engine.submit(PROMPTS[0], greedy(60))
+    for _ in range(4):
+        engine.step()
+    assert doomed.output_ids and not doomed.done.is_set()
+    slot = doomed.slot
+    engine.abort(doomed.request_id)
+    while engine.has_work():
+        engine.step()
+    assert doomed.finish_reason == "abort"
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_usable
+    successor = engine.submit(PROMPTS[1], greedy(15))
+    engine.step()
+    assert successor.slot == slot
+    while engine.has_work():
+        engine.step()
+    assert successor.output_ids == plain.generate([PROMPTS[1]], greedy(15))[0]
