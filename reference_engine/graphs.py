@@ -48,11 +48,13 @@ from reference_engine.config import Config
 from reference_engine.host_copy import copy_to
 from reference_engine.model import AttentionMetadata
 from reference_engine.sampler import sample
+from reference_engine.speculative import MAX_NGRAM
 
 logger = logging.getLogger("reference_engine")
 
 META_SLOT, META_POSITION, META_TOP_K, META_SEED, META_TEMPERATURE, META_TOP_P = range(6)
 META_BLOCKS = 6
+SPEC_PARAM_COLS = (META_TEMPERATURE, META_TOP_P, META_TOP_K, META_SEED)  # a speculative step's per-row params
 # Benchmarks only: False gathers the embedding in its own launch after decode_inputs, as before the fold.
 EMBED_WITH_INPUTS = {"on": True}
 # Host arrays of a verify step (speculative.verify_rows), one row per sequence token checked.
@@ -252,29 +254,22 @@ class StepRunner:
         return False
 
     def _spec_decode(self, size: int, greedy_only: bool) -> None:
-        b, cfg = self.buffers, self.config
+        b, cfg, ops = self.buffers, self.config, self.model.ops
         k = b.spec_k
         meta = b.decode_meta[:size]
-        slots = meta[:, META_SLOT].long()
-        rows = spec_device.verify_inputs(meta[:, META_BLOCKS:], slots, b.history, b.lengths, k=k,
-                                         block_size=cfg.block_size, max_model_len=cfg.max_model_len)
-        attn = AttentionMetadata(rows["slot_mapping"], block_tables=rows["block_tables"],
-                                 seq_lens=rows["seq_lens"], shared_rows=True)
-        hidden = self.model.forward(rows["ids"], rows["positions"], self.kv_caches, attn)
-
-        def per_row(column: int) -> torch.Tensor:
-            return meta[:, column].repeat_interleave(k + 1)
-
+        rows = ops.spec_rows(meta, b.history, b.lengths, k=k, block_size=cfg.block_size,
+                             max_model_len=cfg.max_model_len, max_ngram=MAX_NGRAM, slot_col=META_SLOT,
+                             blocks_col=META_BLOCKS, param_cols=SPEC_PARAM_COLS)
+        attn = AttentionMetadata(rows.slot_mapping, block_tables=rows.block_tables, seq_lens=rows.seq_lens,
+                                 shared_rows=True)
+        hidden = self.model.forward(rows.ids, rows.positions, self.kv_caches, attn)
         sampled = sample(
-            self.model.compute_logits(hidden), temperature=per_row(META_TEMPERATURE).view(torch.float32),
-            top_p=per_row(META_TOP_P).view(torch.float32), top_k=per_row(META_TOP_K),
-            seeds=per_row(META_SEED),
-            positions=None if greedy_only else rows["positions"] + 1, greedy_only=greedy_only,
-            argmax=self.model.ops.argmax,
+            self.model.compute_logits(hidden), temperature=rows.params[:, 0].view(torch.float32),
+            top_p=rows.params[:, 1].view(torch.float32), top_k=rows.params[:, 2], seeds=rows.params[:, 3],
+            positions=None if greedy_only else rows.positions + 1, greedy_only=greedy_only, argmax=ops.argmax,
         ).view(size, k + 1)
-        new = spec_device.accept(sampled, rows["drafts"], rows["lengths"], max_model_len=cfg.max_model_len)
-        spec_device.record(b.history, b.lengths, slots, sampled, new, rows["lengths"])
-        torch.cat([sampled, new[:, None], rows["proposed"][:, None]], dim=1, out=b.spec_out[:size])
+        ops.spec_accept(sampled, rows, meta[:, META_SLOT], b.history, b.lengths, b.spec_out[:size],
+                        max_model_len=cfg.max_model_len)
 
     def verify(self, inputs: dict) -> torch.Tensor:
         """A speculative step, eagerly: the forward over every sequence's last token and drafts (rows built on

@@ -20,13 +20,14 @@ its length (`lengths`). One step over B sequences, k drafts each:
 The host gets one row per sequence (`out` [B, k + 3]): the k + 1 sampled tokens, how many of them are new,
 how many drafts were proposed. Positions past max_model_len (a sequence the host is about to stop) write
 their k/v into the reserved block 0 and are never accepted.
+
+Steps 1-2 are the kernel set's `spec_rows` and step 4 its `spec_accept` (kernels/torch_ref.py defines them;
+in Triton each is one launch, kernels/spec_ops.py). This module holds the host's side.
 """
 
 from __future__ import annotations
 
 import torch
-
-from reference_engine.speculative import MAX_NGRAM, MIN_NGRAM
 
 
 def history_width(max_model_len: int, k: int) -> int:
@@ -35,67 +36,10 @@ def history_width(max_model_len: int, k: int) -> int:
     return max_model_len + k + 1
 
 
-def propose(history: torch.Tensor, lengths: torch.Tensor, k: int, *, max_ngram: int = MAX_NGRAM,
-            min_ngram: int = MIN_NGRAM) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculative.propose for each row of `history` [B, T] holding `lengths` [B] tokens: (drafts int64
-    [B, k], -1 where there is none, and the number proposed [B]). A match of n tokens ending at e
-    (history[e - i] == history[length - 1 - i] for i < n) must leave a token after it before the tail:
-    e <= length - 2."""
-    batch, width = history.shape
-    lengths = lengths.long()
-    ends = torch.arange(width, device=history.device)[None, :]
-    matched = torch.ones(batch, width, dtype=torch.bool, device=history.device)
-    best_end = torch.full((batch,), -1, dtype=torch.long, device=history.device)
-    for n in range(1, max_ngram + 1):  # n-grams grow by one older token; the longest found wins
-        tail = history.gather(1, (lengths - n).clamp_min(0)[:, None])  # the tail's n-th token from the end
-        older = torch.nn.functional.pad(history[:, : width - (n - 1)], (n - 1, 0), value=-1)
-        matched &= older == tail
-        if n < min_ngram:
-            continue
-        ok = matched & (ends >= n - 1) & (ends <= (lengths - 2)[:, None]) & (lengths > n)[:, None]
-        latest = torch.where(ok, ends, -1).amax(dim=1)
-        best_end = torch.where(latest >= 0, latest, best_end)
-    follow = best_end[:, None] + 1 + torch.arange(k, device=history.device)[None, :]
-    valid = (best_end >= 0)[:, None] & (follow < lengths[:, None])
-    drafts = torch.where(valid, history.gather(1, follow.clamp(0, width - 1)), -1)
-    return drafts, valid.sum(dim=1)
-
-
-def verify_inputs(tables: torch.Tensor, slots: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, *,
-                  k: int, block_size: int, max_model_len: int) -> dict[str, torch.Tensor]:
-    """A speculative step's rows from each sequence's block table [B, W], slot [B] and the device history and
-    lengths: ids, positions (int32), slot_mapping (int64), block_tables (a copy per row), seq_lens (int32) of
-    the B * (k + 1) rows, plus the drafts [B, k], their count [B] and the lengths [B] read (int64)."""
-    rows = history[slots]
-    length = lengths[slots].long()
-    drafts, proposed = propose(rows, length, k)
-    last = rows.gather(1, (length - 1).clamp_min(0)[:, None])
-    ids = torch.cat([last, drafts.clamp_min(0)], dim=1).reshape(-1)
-    positions = ((length - 1)[:, None] + torch.arange(k + 1, device=slots.device)[None, :]).reshape(-1)
-    inside = positions < max_model_len
-    within = positions.clamp(max=max_model_len - 1)
-    row_tables = tables.repeat_interleave(k + 1, dim=0)
-    block = row_tables.gather(1, (within // block_size)[:, None]).squeeze(1).long()
-    slot_mapping = torch.where(inside, block, 0) * block_size + positions % block_size
-    # Rows past max_model_len run at its last position (the RoPE tables end there); they are never accepted.
-    return {"ids": ids, "positions": within.int(), "slot_mapping": slot_mapping,
-            "block_tables": row_tables, "seq_lens": (within + 1).int(), "drafts": drafts,
-            "proposed": proposed, "lengths": length}
-
-
-def accept(sampled: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, *,
-           max_model_len: int) -> torch.Tensor:
-    """New tokens per sequence [B] (int64) from the sampled tokens [B, k + 1] of its rows: draft i is kept
-    while it equals row i's token, and the token after the last kept one comes free; never past
-    max_model_len."""
-    kept = (drafts == sampled[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-    return torch.minimum(kept + 1, (max_model_len - lengths).clamp_min(0))
-
-
 def record(history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, sampled: torch.Tensor,
            new: torch.Tensor, start: torch.Tensor) -> None:
-    """Write the step's sampled tokens after each sequence's length (only the first `new` count: the rest is
-    scratch past the length) and advance the lengths."""
+    """Write tokens [B, n] at each sequence's `start` and set its length to start + new (a prefill: its
+    prompt's first sampled token)."""
     columns = start[:, None] + torch.arange(sampled.shape[1], device=slots.device)[None, :]
     history[slots[:, None].long(), columns] = sampled
     lengths[slots.long()] = (start + new).to(lengths.dtype)

@@ -12,8 +12,22 @@ import torch
 from reference_engine import spec_device
 from reference_engine.config import Config
 from reference_engine.engine import Engine, SamplingParams
+from reference_engine.graphs import (
+    META_BLOCKS,
+    META_SEED,
+    META_SLOT,
+    META_TEMPERATURE,
+    META_TOP_K,
+    META_TOP_P,
+    SPEC_PARAM_COLS,
+    float_bits,
+)
+from reference_engine.kernels import get_kernels, torch_ref
 from reference_engine.model import Qwen3Model
-from reference_engine.speculative import propose
+from reference_engine.speculative import MAX_NGRAM, propose
+
+REF = get_kernels("torch")
+TRITON = get_kernels("triton")  # under TRITON_INTERPRET=1 on a CPU (conftest.py)
 
 PROMPTS = [list(range(5, 22)) + [5, 6, 7, 8] * 4, list(range(5, 14))]  # the first has a repetitive tail
 
@@ -31,9 +45,27 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
+def _meta(slots: list[int], tables: torch.Tensor, params: list[tuple[int, ...]]) -> torch.Tensor:
+    """Decode metadata rows (graphs.py's layout) for sequences in `slots` with their block tables."""
+    meta = torch.zeros(len(slots), META_BLOCKS + tables.shape[1], dtype=torch.int32)
+    for row, (slot, values) in enumerate(zip(slots, params, strict=True)):
+        meta[row, META_SLOT] = slot
+        meta[row, META_TOP_K], meta[row, META_SEED] = values[0], values[1]
+        meta[row, META_TEMPERATURE] = float_bits(values[2])
+        meta[row, META_TOP_P] = float_bits(0.9)
+    meta[:, META_BLOCKS:] = tables
+    return meta
+
+
+def _rows(ops, meta, history, lengths, k, max_model_len=48):
+    return ops.spec_rows(meta, history, lengths, k=k, block_size=16, max_model_len=max_model_len,
+                         max_ngram=MAX_NGRAM, slot_col=META_SLOT, blocks_col=META_BLOCKS,
+                         param_cols=SPEC_PARAM_COLS)
+
+
 def test_device_drafts_are_the_host_drafts():
-    """On random texts of small vocabularies (many repeats), with scratch tokens past each length: the same
-    drafts as speculative.propose, one row at a time and batched."""
+    """On random texts of small vocabularies (many repeats), with scratch tokens past each length: the drafts
+    of speculative.propose, from the torch reference and the Triton kernel (interpreted on a CPU) alike."""
     rng = random.Random(0)
     k = 5
     width = spec_device.history_width(48, k)
@@ -43,7 +75,7 @@ def test_device_drafts_are_the_host_drafts():
     for row, text in enumerate(texts):
         history[row, : len(text)] = torch.tensor(text)
     lengths = torch.tensor([len(t) for t in texts])
-    drafts, proposed = spec_device.propose(history, lengths, k)
+    drafts, proposed = torch_ref.spec_propose(history, lengths, k, max_ngram=MAX_NGRAM)
     for row, text in enumerate(texts):
         expected = propose(text, k)
         assert drafts[row, : len(expected)].tolist() == expected
@@ -51,29 +83,61 @@ def test_device_drafts_are_the_host_drafts():
     assert any(proposed) and not all(proposed)
     # The longest tail wins ([5, 6, 7] occurred before), and its latest occurrence.
     one = torch.tensor([[9, 5, 6, 7, 8, 1, 5, 6, 7, 2, 5, 6, 7, 0, 0]])
-    assert spec_device.propose(one, torch.tensor([13]), 3)[0].tolist() == [[2, 5, 6]]
+    assert torch_ref.spec_propose(one, torch.tensor([13]), 3, max_ngram=MAX_NGRAM)[0].tolist() == [[2, 5, 6]]
+    # The Triton kernel, 40 sequences at a time (its slots pick rows of the whole history).
+    tables = torch.arange(1, 4, dtype=torch.int32).repeat(40, 1)
+    for first in range(0, len(texts), 40):
+        slots = list(range(first, min(first + 40, len(texts))))
+        meta = _meta(slots, tables[: len(slots)], [(0, 1, 0.0)] * len(slots))
+        got = _rows(TRITON, meta, history, lengths, k)
+        assert torch.equal(got.drafts, drafts[slots]) and torch.equal(got.proposed, proposed[slots])
 
 
-def test_acceptance_and_results():
-    """Drafts are kept while they equal the token sampled one row before, plus the token after them; never
-    past max_model_len; the history and the lengths advance by the new tokens; the host reads them back."""
-    sampled = torch.tensor([[5, 6, 9, 1], [1, 6, 7, 2], [5, 6, 7, 2], [5, 6, 7, 2]])
-    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, -1, -1]])
-    lengths = torch.tensor([10, 10, 10, 47])
-    new = spec_device.accept(sampled, drafts, lengths, max_model_len=48)
-    assert new.tolist() == [3, 1, 4, 1]
-    history = torch.zeros(5, spec_device.history_width(48, 3), dtype=torch.int64)
-    lengths_buffer = torch.zeros(5, dtype=torch.int64)
-    slots = torch.tensor([3, 0, 1, 2])
-    spec_device.record(history, lengths_buffer, slots, sampled, new, lengths)
-    assert lengths_buffer.tolist() == [11, 14, 48, 13, 0]
-    assert history[3, 10:13].tolist() == [5, 6, 9] and history[2, 47].item() == 5
-    out = torch.cat([sampled, new[:, None], torch.tensor([[3], [3], [3], [1]])], dim=1).tolist()
-    per_seq, proposed, accepted = spec_device.read_results(out, [True] * 4)
-    assert per_seq == [[5, 6, 9], [1], [5, 6, 7, 2], [5]]
-    assert (proposed, accepted) == (10, 2 + 0 + 3 + 0)
+def test_verify_rows_and_acceptance_of_both_kernel_sets():
+    """spec_rows: each sequence's last token then its drafts at consecutive positions, its block table and
+    params on each row, rows past max_model_len clamped and sent to block 0; spec_accept: drafts kept while
+    they equal the token sampled one row before, plus the token after them, never past max_model_len; the
+    history and lengths advance; the host reads its rows back. Torch and Triton give the same integers."""
+    k, max_model_len = 3, 48
+    history = torch.zeros(5, spec_device.history_width(max_model_len, k), dtype=torch.int64)
+    text = [9, 5, 6, 7, 8, 1, 5, 6, 7]
+    history[3, : len(text)] = torch.tensor(text)
+    history[0, :46] = torch.arange(46) % 4  # 46 tokens: the row at position 48 lies past max_model_len
+    history[1, :2] = torch.tensor([4, 5])  # no earlier 5: no drafts
+    lengths = torch.tensor([46, 2, 0, len(text), 0])
+    tables = torch.tensor([[7, 8, 9], [5, 6, 9], [4, 6, 0]], dtype=torch.int32)
+    meta = _meta([3, 0, 1], tables, [(0, 11, 0.0), (50, 12, 0.7), (0, 13, 0.0)])
+    ref = _rows(REF, meta, history, lengths, k, max_model_len)
+    assert ref.drafts.tolist() == [[8, 1, 5], [2, 3, 0], [-1, -1, -1]]  # tails [5, 6, 7], [3, 0, 1], none
+    assert ref.proposed.tolist() == [3, 3, 0] and ref.lengths.tolist() == [9, 46, 2]
+    assert ref.ids.tolist() == [7, 8, 1, 5, 1, 2, 3, 0, 5, 0, 0, 0]
+    assert ref.positions.tolist() == [8, 9, 10, 11, 45, 46, 47, 47, 1, 2, 3, 4]
+    assert ref.slot_mapping.tolist()[:8] == [7 * 16 + 8, 7 * 16 + 9, 7 * 16 + 10, 7 * 16 + 11,
+                                             9 * 16 + 13, 9 * 16 + 14, 9 * 16 + 15, 0]
+    assert ref.seq_lens.tolist()[4:8] == [46, 47, 48, 48]
+    assert torch.equal(ref.block_tables, tables.repeat_interleave(k + 1, dim=0))
+    assert ref.params[4:8, 2].tolist() == [50] * 4  # top_k
+    assert ref.params[:, 3].tolist() == [11] * 4 + [12] * 4 + [13] * 4  # seeds
+    assert ref.params[4:8, 0].view(torch.float32).tolist() == pytest.approx([0.7] * 4)
+    got = _rows(TRITON, meta, history, lengths, k, max_model_len)
+    for name, value in ref._asdict().items():
+        assert torch.equal(getattr(got, name), value), name
+    sampled = torch.tensor([[8, 1, 9, 4], [2, 3, 0, 1], [4, 4, 4, 4]])
+    outputs = []
+    for ops in (REF, TRITON):
+        hist, lens = history.clone(), lengths.clone()
+        out = torch.zeros(3, k + 3, dtype=torch.int64)
+        ops.spec_accept(sampled, ref, meta[:, META_SLOT], hist, lens, out, max_model_len=max_model_len)
+        outputs.append((hist, lens, out))
+    (hist, lens, out), triton_out = outputs
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0], triton_out, strict=True))
+    assert out[:, k + 1].tolist() == [3, 2, 1]  # 2 drafts kept; 3 kept but capped at max_model_len; none
+    assert lens.tolist() == [48, 3, 0, 12, 0]
+    assert hist[3, 9:13].tolist() == [8, 1, 9, 4] and hist[0, 46:48].tolist() == [2, 3]
+    per_seq, proposed, accepted = spec_device.read_results(out.tolist(), [True] * 3)
+    assert per_seq == [[8, 1, 9], [2, 3], [4]] and (proposed, accepted) == (6, 3)
     # A finished sequence's extra (async) step: its tokens are read, its drafts not counted.
-    assert spec_device.read_results(out, [True, True, False, True])[1:] == (7, 2)
+    assert spec_device.read_results(out.tolist(), [True, False, True])[1:] == (3, 2)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

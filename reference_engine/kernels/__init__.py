@@ -32,6 +32,10 @@ Ops (all CUDA-graph capturable: fixed shapes, no host syncs):
   slot_mapping, seq_lens): a decode step's inputs from its metadata rows; embedding(weight, ids);
   argmax(logits) -> int64 [B] (first index of the maximum); greedy_store(logits, slots, tokens, sampled): the
   argmax into sampled[row] and tokens[slots[row]]. One launch each in Triton (step_ops.py).
+- spec_rows(meta, history, lengths, *, k, block_size, max_model_len, max_ngram, slot_col, blocks_col,
+  param_cols) -> SpecRows: a speculative step's drafts and verify rows from the device history;
+  spec_accept(sampled, rows, slots, history, lengths, out, *, max_model_len): its acceptance and bookkeeping
+  (reference_engine/spec_device.py). One launch each in Triton (spec_ops.py).
 
 Triton is imported only when asked for, so the torch path works where Triton is missing.
 """
@@ -66,6 +70,8 @@ class Kernels:
     embedding: Callable
     argmax: Callable
     greedy_store: Callable
+    spec_rows: Callable
+    spec_accept: Callable
 
 
 # Where each op of the Triton set lives (imported only when asked for).
@@ -85,6 +91,8 @@ _TRITON_HOMES = {
     "embedding": "step_ops",
     "argmax": "step_ops",
     "greedy_store": "step_ops",
+    "spec_rows": "spec_ops",
+    "spec_accept": "spec_ops",
 }
 
 

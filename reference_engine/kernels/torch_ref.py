@@ -8,6 +8,7 @@ Numerics follow Hugging Face Qwen3: reductions in fp32, results cast back to the
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -246,3 +247,80 @@ def decode_layers(
     decode_attention_from_qkv and o_proj_mlp. Returns the residual stream [B, H] after the last layer."""
     return run_layers(sys.modules[__name__], x, stack, slot_mapping, block_tables, seq_lens, cos, sin, scale,
                       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+
+
+class SpecRows(NamedTuple):
+    """The rows of a speculative step (reference_engine/spec_device.py), B sequences with k drafts each, R =
+    B * (k + 1) rows: each sequence's last token, then its drafts."""
+
+    ids: torch.Tensor  # int64 [R]; a missing draft's row reads token 0
+    positions: torch.Tensor  # int32 [R], clamped to max_model_len - 1
+    slot_mapping: torch.Tensor  # int64 [R]; rows past max_model_len write into the reserved block 0
+    block_tables: torch.Tensor  # int32 [R, W], the sequence's table on each of its rows
+    seq_lens: torch.Tensor  # int32 [R]: each row attends to its own prefix
+    params: torch.Tensor  # int32 [R, 4]: the sequence's param_cols (temperature, top_p, top_k, seed)
+    drafts: torch.Tensor  # int64 [B, k], -1 where none was found
+    proposed: torch.Tensor  # int64 [B]: drafts found
+    lengths: torch.Tensor  # int64 [B]: each sequence's length as read
+
+
+def spec_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, *, max_ngram: int,
+                 min_ngram: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt-lookup drafts (reference_engine/speculative.propose) for each row of `history` [B, T] holding
+    `lengths` [B] tokens: (drafts int64 [B, k], -1 where there is none; the number found [B]). A match of n
+    tokens ending at e (history[e - i] == history[length - 1 - i] for i < n) must leave a token after it
+    before the tail: e <= length - 2. The longest n wins, then the latest e."""
+    batch, width = history.shape
+    lengths = lengths.long()
+    ends = torch.arange(width, device=history.device)[None, :]
+    matched = torch.ones(batch, width, dtype=torch.bool, device=history.device)
+    best_end = torch.full((batch,), -1, dtype=torch.long, device=history.device)
+    for n in range(1, max_ngram + 1):  # n-grams grow by one older token; the longest found wins
+        tail = history.gather(1, (lengths - n).clamp_min(0)[:, None])  # the tail's n-th token from the end
+        older = F.pad(history[:, : width - (n - 1)], (n - 1, 0), value=-1)
+        matched &= older == tail
+        if n < min_ngram:
+            continue
+        ok = matched & (ends >= n - 1) & (ends <= (lengths - 2)[:, None]) & (lengths > n)[:, None]
+        latest = torch.where(ok, ends, -1).amax(dim=1)
+        best_end = torch.where(latest >= 0, latest, best_end)
+    follow = best_end[:, None] + 1 + torch.arange(k, device=history.device)[None, :]
+    valid = (best_end >= 0)[:, None] & (follow < lengths[:, None])
+    drafts = torch.where(valid, history.gather(1, follow.clamp(0, width - 1)), -1)
+    return drafts, valid.sum(dim=1)
+
+
+def spec_rows(meta: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, *, k: int, block_size: int,
+              max_model_len: int, max_ngram: int, slot_col: int, blocks_col: int,
+              param_cols: tuple[int, int, int, int]) -> SpecRows:
+    """A speculative step's rows from its int32 metadata rows [B, W_meta] (slot, block table and sampling
+    params at the given columns) and the device history [slots, T] and lengths [slots]."""
+    slots = meta[:, slot_col].long()
+    rows = history[slots]
+    length = lengths[slots].long()
+    drafts, proposed = spec_propose(rows, length, k, max_ngram=max_ngram)
+    last = rows.gather(1, (length - 1).clamp_min(0)[:, None])
+    ids = torch.cat([last, drafts.clamp_min(0)], dim=1).reshape(-1)
+    positions = ((length - 1)[:, None] + torch.arange(k + 1, device=meta.device)[None, :]).reshape(-1)
+    inside = positions < max_model_len
+    within = positions.clamp(max=max_model_len - 1)  # the RoPE tables end there; such rows are never kept
+    row_tables = meta[:, blocks_col:].repeat_interleave(k + 1, dim=0)
+    block = row_tables.gather(1, (within // block_size)[:, None]).squeeze(1).long()
+    slot_mapping = torch.where(inside, block, 0) * block_size + positions % block_size
+    params = meta[:, list(param_cols)].repeat_interleave(k + 1, dim=0)
+    return SpecRows(ids, within.int(), slot_mapping, row_tables, (within + 1).int(), params, drafts, proposed,
+                    length)
+
+
+def spec_accept(sampled: torch.Tensor, rows: SpecRows, slots: torch.Tensor, history: torch.Tensor,
+                lengths: torch.Tensor, out: torch.Tensor, *, max_model_len: int) -> None:
+    """Acceptance of a speculative step from the sampled tokens [B, k + 1] of its rows: draft i is kept while
+    it equals row i's token, and the token after the last kept one comes free (never past max_model_len).
+    Writes the sampled tokens after each sequence's length (the part past the new length is scratch),
+    advances the lengths, and fills out [B, k + 3]: the sampled tokens, the new count, the drafts found."""
+    kept = (rows.drafts == sampled[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    new = torch.minimum(kept + 1, (max_model_len - rows.lengths).clamp_min(0))
+    columns = rows.lengths[:, None] + torch.arange(sampled.shape[1], device=slots.device)[None, :]
+    history[slots[:, None].long(), columns] = sampled
+    lengths[slots.long()] = (rows.lengths + new).to(lengths.dtype)
+    torch.cat([sampled, new[:, None], rows.proposed[:, None]], dim=1, out=out)
