@@ -307,7 +307,8 @@ def spec_rows(meta: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, 
     row_tables = meta[:, blocks_col:].repeat_interleave(k + 1, dim=0)
     block = row_tables.gather(1, (within // block_size)[:, None]).squeeze(1).long()
     slot_mapping = torch.where(inside, block, 0) * block_size + positions % block_size
-    params = meta[:, list(param_cols)].repeat_interleave(k + 1, dim=0)
+    # Column by column: a list index would be a host tensor, copied during a graph capture.
+    params = torch.stack([meta[:, col] for col in param_cols], dim=1).repeat_interleave(k + 1, dim=0)
     return SpecRows(ids, within.int(), slot_mapping, row_tables, (within + 1).int(), params, drafts, proposed,
                     length)
 
