@@ -27,16 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from engine_decode import sync  # noqa: E402  (this directory is on sys.path when run as a script)
+
 from reference_engine.config import Config  # noqa: E402
 from reference_engine.engine import Engine, SamplingParams  # noqa: E402
 from reference_engine.kernels import torch_ref  # noqa: E402
 from reference_engine.kv_cache import allocate_kv_cache  # noqa: E402
 from reference_engine.model import AttentionMetadata, Qwen3Model  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def prompts(batch: int, length: int, period: int) -> list[list[int]]:

@@ -46,6 +46,7 @@ import torch
 from reference_engine import spec_device
 from reference_engine.config import Config
 from reference_engine.host_copy import copy_to
+from reference_engine.kernels.torch_ref import spec_record
 from reference_engine.model import AttentionMetadata
 from reference_engine.sampler import sample
 from reference_engine.speculative import MAX_NGRAM
@@ -203,8 +204,8 @@ class StepRunner:
             b = self.buffers
             token_slots = inputs["token_slots"].to(device, non_blocking=True)
             b.history[token_slots, positions.long()] = ids
-            spec_device.record(b.history, b.lengths, meta[:, META_SLOT], b.sampled[:count, None],
-                               torch.ones_like(last), positions[last].long() + 1)
+            spec_record(b.history, b.lengths, meta[:, META_SLOT], b.sampled[:count, None],
+                        positions[last].long() + 1, torch.ones_like(last))
 
     def decode(self, inputs: dict) -> bool:
         """Run one decode step over the padded batch. Returns True when a graph replay served it."""

@@ -27,22 +27,11 @@ in Triton each is one launch, kernels/spec_ops.py). This module holds the host's
 
 from __future__ import annotations
 
-import torch
-
 
 def history_width(max_model_len: int, k: int) -> int:
     """Columns of the history buffer: a step writes its k + 1 sampled tokens from the length on, and the
     length never passes max_model_len."""
     return max_model_len + k + 1
-
-
-def record(history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, sampled: torch.Tensor,
-           new: torch.Tensor, start: torch.Tensor) -> None:
-    """Write tokens [B, n] at each sequence's `start` and set its length to start + new (a prefill: its
-    prompt's first sampled token)."""
-    columns = start[:, None] + torch.arange(sampled.shape[1], device=slots.device)[None, :]
-    history[slots[:, None].long(), columns] = sampled
-    lengths[slots.long()] = (start + new).to(lengths.dtype)
 
 
 def read_results(rows: list[list[int]], live: list[bool]) -> tuple[list[list[int]], int, int]:

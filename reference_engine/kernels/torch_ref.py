@@ -313,6 +313,16 @@ def spec_rows(meta: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, 
                     length)
 
 
+def spec_record(history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                start: torch.Tensor, new: torch.Tensor) -> None:
+    """Write tokens [B, n] into each sequence slot's history from `start` [B] on and set its length to
+    start + new (the rest of the n is scratch past the length). spec_accept's bookkeeping; the prefill's too,
+    for its prompts' first sampled tokens."""
+    columns = start[:, None] + torch.arange(tokens.shape[1], device=slots.device)[None, :]
+    history[slots[:, None].long(), columns] = tokens
+    lengths[slots.long()] = (start + new).to(lengths.dtype)
+
+
 def spec_accept(sampled: torch.Tensor, rows: SpecRows, slots: torch.Tensor, history: torch.Tensor,
                 lengths: torch.Tensor, out: torch.Tensor, *, max_model_len: int) -> None:
     """Acceptance of a speculative step from the sampled tokens [B, k + 1] of its rows: draft i is kept while
@@ -321,7 +331,5 @@ def spec_accept(sampled: torch.Tensor, rows: SpecRows, slots: torch.Tensor, hist
     advances the lengths, and fills out [B, k + 3]: the sampled tokens, the new count, the drafts found."""
     kept = (rows.drafts == sampled[:, :-1]).long().cumprod(dim=1).sum(dim=1)
     new = torch.minimum(kept + 1, (max_model_len - rows.lengths).clamp_min(0))
-    columns = rows.lengths[:, None] + torch.arange(sampled.shape[1], device=slots.device)[None, :]
-    history[slots[:, None].long(), columns] = sampled
-    lengths[slots.long()] = (rows.lengths + new).to(lengths.dtype)
+    spec_record(history, lengths, slots, sampled, rows.lengths, new)
     torch.cat([sampled, new[:, None], rows.proposed[:, None]], dim=1, out=out)
