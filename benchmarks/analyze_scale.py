@@ -24,7 +24,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from overshoot.spool import BASE_SCHEMAS, SpoolWriter  # noqa: E402
+from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter  # noqa: E402
 
 CHUNK = 256
 GOAL_S, GOAL_MB = 2.0, 1024.0
@@ -90,9 +90,9 @@ def write_synthetic_run(path: Path, n: int, seed: int = 0) -> None:
 
 
 def measure(path: Path) -> dict:
-    from overshoot.analyze import summarize
-    from overshoot.run_dir import load_run
-    from overshoot.whatif import WhatIf
+    from overshoot.analysis.analyze import summarize
+    from overshoot.analysis.whatif import WhatIf
+    from overshoot.rundir.reader import load_run
 
     t0 = time.perf_counter()
     run = load_run(path)

@@ -27,15 +27,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from engine_decode import sync  # noqa: E402  (this directory is on sys.path when run as a script)
-
 from engine_hooks import patcher  # noqa: E402
 from engine_hooks.reference import SPEC  # noqa: E402
-from overshoot.recorder import Recorder  # noqa: E402
-from overshoot.run_dir import load_run  # noqa: E402
-from overshoot.steps import joined_steps  # noqa: E402
+from overshoot.analysis.steps import joined_steps  # noqa: E402
+from overshoot.record.recorder import Recorder  # noqa: E402
+from overshoot.rundir.reader import load_run  # noqa: E402
 from reference_engine.config import Config  # noqa: E402
 from reference_engine.engine import Engine, SamplingParams  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timed_round(engine: Engine, batch: int, tokens: int, prompt_len: int) -> float:

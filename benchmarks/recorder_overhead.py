@@ -118,7 +118,7 @@ def measure(args) -> list[tuple[str, Cost, str]]:
 def measure_cuda(tmp: Path, batch: int, repeats: int, base: Cost) -> list[tuple[str, Cost, str]]:
     import torch
 
-    from overshoot.gpu import native_record
+    from overshoot.record.cuda_events import native_record
 
     stream = torch.cuda.Stream()
     rows = []
@@ -169,7 +169,7 @@ def check_cuda_times(tmp: Path) -> list[str]:
     """GPU intervals as recorded vs CUDA-event timing of the same matmuls, and host-clock placement."""
     import torch
 
-    from overshoot.run_dir import load_run
+    from overshoot.rundir.reader import load_run
 
     stream = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda")

@@ -170,7 +170,7 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
                 if idle:
                     rec.idle_end()
                 if close:  # the engine loop is over: seal before the process's teardown can kill it
-                    from overshoot.lifecycle import sigterm_deferred
+                    from overshoot.record.lifecycle import sigterm_deferred
 
                     with sigterm_deferred():
                         rec.close(reason="shutdown")

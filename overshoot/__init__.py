@@ -11,13 +11,13 @@ __version__ = "0.1.0"
 __all__ = ["Recorder", "__version__"]
 
 if TYPE_CHECKING:
-    from overshoot.recorder import Recorder
+    from overshoot.record.recorder import Recorder
 
 
 def __getattr__(name: str):
     # Lazy so that importing overshoot (e.g. for the CLI) does not import pyarrow via the recorder.
     if name == "Recorder":
-        from overshoot.recorder import Recorder
+        from overshoot.record.recorder import Recorder
 
         return Recorder
     raise AttributeError(f"module 'overshoot' has no attribute {name!r}")

@@ -28,7 +28,7 @@ class CliError(Exception):
 
 
 class _LazyGroup(TyperGroup):
-    """Adds `run` from overshoot.run_cmd only when it is invoked; help lists it without importing it."""
+    """Adds `run` from overshoot.run.command only when it is invoked; help lists it without importing it."""
 
     _listing_help = False
 
@@ -54,7 +54,7 @@ class _LazyGroup(TyperGroup):
 
 
 def _run_available() -> bool:
-    return importlib.util.find_spec("overshoot.run_cmd") is not None
+    return importlib.util.find_spec("overshoot.run.command") is not None
 
 
 def _run_listing():
@@ -64,7 +64,7 @@ def _run_listing():
 
 
 def _load_run_command():
-    from overshoot import run_cmd
+    from overshoot.run import command as run_cmd
 
     single = typer.Typer(add_completion=False, rich_markup_mode="rich")
     single.command("run", help=(run_cmd.run.__doc__ or RUN_HELP))(run_cmd.run)
@@ -84,7 +84,8 @@ app = typer.Typer(
 
 
 def _load(path: Path):
-    from overshoot.run_dir import RunDirError, load_run
+    from overshoot.rundir.meta import RunDirError
+    from overshoot.rundir.reader import load_run
 
     try:
         run = load_run(path)
@@ -126,7 +127,7 @@ def report(
     json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")] = False,
 ) -> None:
     """Per (concurrency, phase, batch size): step times, CPU-bound and GPU idle shares, what-ifs."""
-    from overshoot.whatif import parse_what_if
+    from overshoot.analysis.whatif import parse_what_if
 
     if mode not in (None, "sync", "async"):
         raise CliError(f"bad --mode {mode!r}: choose sync or async")
@@ -138,8 +139,8 @@ def report(
 
     from rich.console import Console
 
-    from overshoot import compare as cmp
-    from overshoot import report as rep
+    from overshoot.report import compare as cmp
+    from overshoot.report import table as rep
 
     options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "mode": mode}
     first = rep.build_report(_load(run), **options)

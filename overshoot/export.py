@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from overshoot.analyze import joined_steps, steps_table
+from overshoot.analysis.analyze import joined_steps, steps_table
 
 WHATS = ("steps", "spans", "gpu")
 FORMATS = ("parquet", "csv", "chrome")

@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from reference_engine.hf_config import read_hf_config
+
 SHAPE_FIELDS = (
     "hidden_size",
     "num_layers",
@@ -88,8 +90,6 @@ class Config:
         if self.preset is not None and self.model is not None:
             raise ValueError("give either preset or model, not both")
         if self.model is not None:
-            from reference_engine.loader import read_hf_config  # lazy: plain presets need no file access
-
             shape = read_hf_config(self.model)
         else:
             self.preset = self.preset or "tiny"

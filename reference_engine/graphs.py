@@ -45,11 +45,11 @@ import torch
 
 from reference_engine import spec_device
 from reference_engine.config import Config
+from reference_engine.drafts import MAX_NGRAM
 from reference_engine.host_copy import copy_to
 from reference_engine.kernels.torch_ref import spec_record
 from reference_engine.model import AttentionMetadata
 from reference_engine.sampler import sample
-from reference_engine.speculative import MAX_NGRAM
 
 logger = logging.getLogger("reference_engine")
 

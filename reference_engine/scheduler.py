@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reference_engine.config import Config
+from reference_engine.drafts import propose
 from reference_engine.kv_cache import BlockManager
 from reference_engine.sampler import SamplingParams
-from reference_engine.speculative import propose
 
 OutputCallback = Callable[[list[int], bool, "str | None"], None]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from overshoot.spool import BASE_SCHEMAS, SpoolWriter
+from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter
 
 
 @dataclass

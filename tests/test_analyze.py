@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from run_factory import simulate_timeline, write_run
 
-from overshoot.analyze import STEP_COLUMNS, steps_table, summarize
-from overshoot.run_dir import load_run
+from overshoot.analysis.analyze import STEP_COLUMNS, steps_table, summarize
+from overshoot.rundir.reader import load_run
 
 DTYPES = {
     "run_id": "str",
@@ -175,7 +175,7 @@ def test_worker_gpu_intervals_join_the_engine_steps(tmp_path):
     import threading
     from time import perf_counter_ns
 
-    from overshoot.recorder import Recorder
+    from overshoot.record.recorder import Recorder
 
     engine = Recorder(tmp_path, engine="test", thread_tag="engine")
     marks: list[tuple[int, int]] = []

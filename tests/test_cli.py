@@ -18,8 +18,9 @@ from rich.console import Console
 from run_factory import simulate_timeline, write_run
 from synthetic_engine import SyntheticConfig, record_synthetic
 
-from overshoot.report import build_report, render
-from overshoot.run_dir import load_run, update_meta
+from overshoot.report.table import build_report, render
+from overshoot.rundir.meta import update_meta
+from overshoot.rundir.reader import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,7 +246,7 @@ def test_help_has_examples_and_nothing_imports_torch(runs):
     # --help loads neither pandas nor torch nor the run command; report and export never load torch
     probe = (
         "import sys; from overshoot.cli import main; main(['--help']); "
-        "assert not any(m in sys.modules for m in ('pandas', 'torch', 'overshoot.run_cmd')), 'help'; "
+        "assert not any(m in sys.modules for m in ('pandas', 'torch', 'overshoot.run.command')), 'help'; "
         "main(['report', sys.argv[1], '--json']); main(['export', sys.argv[1], '-o', sys.argv[2]]); "
         "assert 'torch' not in sys.modules, 'report/export'"
     )

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from reference_engine.config import Config
+from reference_engine.drafts import propose
 from reference_engine.engine import Engine, SamplingParams, ScheduledBatch
 from reference_engine.kv_cache import allocate_kv_cache
 from reference_engine.model import AttentionMetadata, Qwen3Model
-from reference_engine.speculative import accept, propose
+from reference_engine.speculative import accept
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
 MAX_TOKENS = [12, 30, 7, 20]

@@ -17,7 +17,7 @@ import pytest
 from engine_hooks import EngineSpec, HookTarget, install, patcher, registry
 from engine_hooks.spec import _simple_match, version_matches
 from overshoot import Recorder
-from overshoot.run_dir import load_run
+from overshoot.rundir.reader import load_run
 
 REPO = Path(__file__).resolve().parent.parent
 BOOTSTRAP = REPO / "engine_hooks" / "bootstrap"

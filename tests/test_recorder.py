@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from overshoot import Recorder
-from overshoot.run_dir import load_run, read_meta, write_meta
+from overshoot.rundir.meta import read_meta, write_meta
+from overshoot.rundir.reader import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,8 +230,8 @@ def _play(rec, ops, use_with: bool) -> None:
 def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch):
     """The `with` scopes inline the begin/end code (overshoot/_scopes.py): on the same clock readings both
     forms must write identical spans and steps, misuse included."""
-    import overshoot._scopes
-    import overshoot.recorder
+    import overshoot.record.recorder
+    import overshoot.record.scopes
 
     deep: list = []
     for _ in range(70):  # deeper than the span stack
@@ -252,8 +253,8 @@ def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch
     for use_with in (True, False):
         ticks = iter(range(10**9, 2 * 10**9, 1000))
         clock = ticks.__next__
-        monkeypatch.setattr(overshoot.recorder, "perf_counter_ns", clock)
-        monkeypatch.setattr(overshoot._scopes, "perf_counter_ns", clock)  # scopes bind it when created
+        monkeypatch.setattr(overshoot.record.recorder, "perf_counter_ns", clock)
+        monkeypatch.setattr(overshoot.record.scopes, "perf_counter_ns", clock)  # scopes bind it when created
         rec = Recorder(tmp_path / str(use_with), engine="test", span_capacity=8)
         _play(rec, script, use_with)
         rec.close()
@@ -449,7 +450,7 @@ def test_cuda_hot_path_and_flush_never_wait_for_the_gpu(tmp_path):
 
 def test_cuda_ring_drops_oldest_and_reanchors(tmp_path):
     torch = _cuda()
-    from overshoot.gpu import CudaEventRing
+    from overshoot.record.cuda_events import CudaEventRing
 
     stream = torch.cuda.Stream()
     ring = CudaEventRing(size=4, reanchor_seconds=0.0)
@@ -473,7 +474,7 @@ def test_sigterm_inside_a_deferred_block_arrives_after_it():
     """The close at an engine's shutdown finishes before a SIGTERM sent meanwhile is acted on."""
     import signal
 
-    from overshoot.lifecycle import sigterm_deferred
+    from overshoot.record.lifecycle import sigterm_deferred
 
     got: list[str] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append("handler"))

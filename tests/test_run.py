@@ -136,7 +136,7 @@ def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
 
 def test_run_records_spans_and_hook_status(sweep):
     run_dir, result = sweep
-    from overshoot.run_dir import load_run
+    from overshoot.rundir.reader import load_run
 
     run = load_run(run_dir)
     waits = run.spans[run.spans["kind"] == "wait"]
@@ -279,7 +279,7 @@ def test_bad_options_fail_before_starting_anything(tmp_path):
 
 
 def test_run_records_async_scheduling_from_the_server_command():
-    from overshoot.run_cmd import REFERENCE_ASYNC_DEFAULT, async_scheduling_of
+    from overshoot.run.command import REFERENCE_ASYNC_DEFAULT, async_scheduling_of
     from reference_engine.__main__ import build_parser
 
     assert build_parser().parse_args(["serve"]).async_scheduling is REFERENCE_ASYNC_DEFAULT

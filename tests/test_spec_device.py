@@ -11,6 +11,7 @@ import torch
 
 from reference_engine import spec_device
 from reference_engine.config import Config
+from reference_engine.drafts import MAX_NGRAM, propose
 from reference_engine.engine import Engine, SamplingParams
 from reference_engine.graphs import (
     META_BLOCKS,
@@ -24,7 +25,6 @@ from reference_engine.graphs import (
 )
 from reference_engine.kernels import get_kernels, torch_ref
 from reference_engine.model import Qwen3Model
-from reference_engine.speculative import MAX_NGRAM, propose
 
 REF = get_kernels("torch")
 TRITON = get_kernels("triton")  # under TRITON_INTERPRET=1 on a CPU (conftest.py)

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from overshoot import Recorder
-from overshoot.run_dir import RunDirError, load_run, read_meta, update_meta, write_meta
+from overshoot.rundir.meta import RunDirError, read_meta, update_meta, write_meta
+from overshoot.rundir.reader import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,7 +166,7 @@ elif scenario == "sigint":
         print("KeyboardInterrupt", flush=True)
         sys.exit(3)
 elif scenario == "thread_sigterm":  # recorder owned by a non-main thread
-    from overshoot.recorder import install_signal_handlers
+    from overshoot.record.recorder import install_signal_handlers
     install_signal_handlers()  # what a hook bootstrap does on the main thread
     def engine():
         rec = Recorder(run_dir, engine="child", flush_steps=100_000, flush_seconds=1e6)

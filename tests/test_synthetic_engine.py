@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from synthetic_engine import SyntheticConfig, _draws, record_synthetic
 
-from overshoot.run_dir import load_run
+from overshoot.rundir.reader import load_run
 
 THRESHOLD_MS = 0.02
 

@@ -123,7 +123,7 @@ def _engine_core_pids(run_dir: Path) -> set[int]:
 @needs_vllm_venv
 @pytest.mark.timeout(600)
 def test_steps_come_from_the_engine_core_process(vllm_run: Path):
-    from overshoot.run_dir import load_run
+    from overshoot.rundir.reader import load_run
 
     run = load_run(vllm_run)
     core_pids = _engine_core_pids(vllm_run)
@@ -150,8 +150,8 @@ def test_steps_come_from_the_engine_core_process(vllm_run: Path):
 @needs_vllm_venv
 @pytest.mark.timeout(600)
 def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
-    from overshoot.analyze import steps_table
-    from overshoot.run_dir import load_run
+    from overshoot.analysis.analyze import steps_table
+    from overshoot.rundir.reader import load_run
 
     run = load_run(vllm_run)
     spans = run.spans
@@ -180,7 +180,7 @@ def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
 def test_step_counts_match_the_tokens_generated(vllm_run: Path):
     import pandas as pd
 
-    from overshoot.run_dir import load_run
+    from overshoot.rundir.reader import load_run
 
     run = load_run(vllm_run)
     client = pd.read_parquet(vllm_run / "client.parquet")

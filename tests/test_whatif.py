@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from run_factory import simulate_timeline, write_run
 
-from overshoot.analyze import summarize
-from overshoot.run_dir import load_run
-from overshoot.whatif import WhatIf, parse_what_if
+from overshoot.analysis.analyze import summarize
+from overshoot.analysis.whatif import WhatIf, parse_what_if
+from overshoot.rundir.reader import load_run
 
 GPU_FASTER = WhatIf("gpu", -0.10)
 CPU_FASTER = WhatIf("cpu", -0.10)

@@ -23,10 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine_hooks import registry
 from engine_hooks import status as hook_status
-from overshoot import launch
-from overshoot.launch import LaunchError, Server
-from overshoot.load import LoadError, LoadPlan, LoadResults, run_sweep
-from overshoot.run_dir import host_info, now_iso, read_meta, update_meta, versions, write_meta
+from overshoot.run import launch
+from overshoot.run.launch import LaunchError, Server
+from overshoot.run.load import LoadError, LoadPlan, LoadResults, run_sweep
+from overshoot.rundir.meta import host_info, now_iso, read_meta, update_meta, versions, write_meta
 
 DEFAULT_PORT = 8000  # where a server command without {port} is expected to listen (vLLM's default)
 # `python -m reference_engine serve` without --async-scheduling runs synchronously (tests/test_run.py checks
@@ -299,8 +299,9 @@ def _finalize(
 
 
 def _print_report(run_dir: Path, console: Console) -> int:
-    from overshoot.report import build_report, render
-    from overshoot.run_dir import RunDirError, load_run
+    from overshoot.report.table import build_report, render
+    from overshoot.rundir.meta import RunDirError
+    from overshoot.rundir.reader import load_run
 
     try:
         run = load_run(run_dir)

@@ -1,6 +1,6 @@
 """qwen3-4b's 36 decode layers at one sequence: one launch for all of them against a launch per layer.
 
-    python benchmarks/decode_layers.py [--contexts 170,1024] [--replays 200] [--ways ...] [--trace]
+    python benchmarks/engine/decode_layers.py [--contexts 170,1024] [--replays 200] [--ways ...] [--trace]
 
 Ways (each the residual stream after the last layer from the embedding, as `Qwen3Model.forward` runs it):
 `layers` one launch (decode_layers.py, the engine's default); `layers-o-walk` with o_proj walking its K chunks
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine_decode import copy_bandwidth  # noqa: E402  (this directory is on sys.path when run as a script)
 

@@ -26,9 +26,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from time import perf_counter_ns
 
-from overshoot import lifecycle
-from overshoot._nvtx import make_ranges
-from overshoot._scopes import (
+from overshoot.record import lifecycle
+from overshoot.record.nvtx import make_ranges
+from overshoot.record.scopes import (
     BUSY,
     IDLE,
     MAX_DEPTH,
@@ -39,7 +39,7 @@ from overshoot._scopes import (
     StepScope,
     fast_scope,
 )
-from overshoot.recorder_io import RecorderIO
+from overshoot.record.writer import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
 
@@ -413,7 +413,7 @@ class Recorder:
 
     def _init_gpu(self) -> bool:
         """Create the CUDA event ring (imports torch; one synchronize for the clock anchor)."""
-        from overshoot.gpu import CudaEventRing, cuda_available
+        from overshoot.record.cuda_events import CudaEventRing, cuda_available
 
         if not cuda_available():
             self._ring = False

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from overshoot.analyze import group_title, summarize
-from overshoot.whatif import WhatIf
+from overshoot.analysis.analyze import group_title, summarize
+from overshoot.analysis.whatif import WhatIf
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
 

@@ -2,8 +2,8 @@
 acceptance on the engine thread) against the device drafter (inside the step: one CUDA graph a step, async
 scheduling), with plain decoding as the reference.
 
-    python benchmarks/spec_decode.py                               # qwen3-4b, batch 1 and 4, k = 2, 4, 8
-    python benchmarks/spec_decode.py --preset tiny --tokens 24     # smoke run (on a CPU: eager only)
+    python benchmarks/engine/spec_decode.py                        # qwen3-4b, batch 1 and 4, k = 2, 4, 8
+    python benchmarks/engine/spec_decode.py --preset tiny --tokens 24 # smoke run (on a CPU: eager only)
 
 Every arm generates --tokens greedy tokens per request from the same prompts (a text that repeats, so prompt
 lookup finds drafts) on one shared set of weights. Reported: ms per generated token of a request (the wall
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from engine_decode import sync  # noqa: E402  (this directory is on sys.path when run as a script)
 

@@ -1,6 +1,6 @@
 """How fast one launch streams qwen3-4b's 36 layers of projection weights with no dependencies at all.
 
-    python benchmarks/stream_patterns.py
+    python benchmarks/engine/stream_patterns.py
 
 The one-launch decode (decode_layers.py) takes ~48 us a layer with its waits skipped and ~60 with them,
 against ~44 for a plain contiguous read of the same bytes. These ways split the streaming part of that: each
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_tail import read_rate  # noqa: E402  (this directory is on sys.path when run as a script)
 

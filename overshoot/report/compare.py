@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from overshoot.report import fmt_num, hooks_line, report_table
+from overshoot.report.table import fmt_num, hooks_line, report_table
 
 
 def _key(g: dict, keys: list[str]) -> tuple:

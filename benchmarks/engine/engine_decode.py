@@ -1,8 +1,8 @@
 """Decode step time of the reference engine against the HBM floor and Hugging Face transformers, in one run.
 
-    python benchmarks/engine_decode.py              # qwen3-4b, every graph mode x kernel x batch 1/2/4/8
-    python benchmarks/engine_decode.py --check      # first compare greedy outputs (eager == step, ...)
-    python benchmarks/engine_decode.py --preset tiny --batches 1 --no-hf   # quick smoke run
+    python benchmarks/engine/engine_decode.py       # qwen3-4b, every graph mode x kernel x batch 1/2/4/8
+    python benchmarks/engine/engine_decode.py --check # first compare greedy outputs (eager == step, ...)
+    python benchmarks/engine/engine_decode.py --preset tiny --batches 1 --no-hf   # quick smoke run
 
 Needs CUDA for meaningful numbers (on a CPU it runs eager only). Everything is measured side by side here:
 - floor: bytes of weights a decode step reads / device copy bandwidth measured in this run;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from reference_engine import graphs
 from reference_engine.config import Config

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from overshoot.steps import (  # re-exported: the steps table is part of this module's API
+from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
     LOAD_WINDOWS,
     RAW_STEP_COLUMNS,
     STEP_COLUMNS,
@@ -163,7 +163,7 @@ def summarize(
     what_ifs: list | None = None,
 ) -> Summary:
     """Summary of the primary timeline per (concurrency if present, phase, batch_size)."""
-    from overshoot import whatif
+    from overshoot.analysis import whatif
 
     what_ifs = list(what_ifs or [])
     full = joined_steps(run, cpu_bound_ms=cpu_bound_ms)

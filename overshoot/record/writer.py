@@ -10,7 +10,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from overshoot.spool import GPU_SCHEMA, SPANS_SCHEMA, STEPS_SCHEMA, SpoolWriter, safe_tag, write_json_atomic
+from overshoot.rundir.spool import (
+    GPU_SCHEMA,
+    SPANS_SCHEMA,
+    STEPS_SCHEMA,
+    SpoolWriter,
+    safe_tag,
+    write_json_atomic,
+)
 
 # Arrays are built from raw buffers: `pa.array(list)` imports pandas (~0.5 s) on first use, which would stall
 # the engine thread of a served process at its first flush. numpy costs nothing extra: pyarrow imports it.
@@ -123,7 +130,7 @@ class RecorderIO:
         import threading
         import time
 
-        from overshoot.run_dir import host_info, now_iso, versions, write_meta
+        from overshoot.rundir.meta import host_info, now_iso, versions, write_meta
 
         self.spool_dir = Path(run_dir) / "spool"
         self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +188,7 @@ class RecorderIO:
         raise RuntimeError("too many recorders with the same thread tag")
 
     def set_gpu(self, name: str) -> None:
-        from overshoot.run_dir import read_meta, update_meta
+        from overshoot.rundir.meta import read_meta, update_meta
 
         self.info["gpu"] = name
         self.info["versions"]["torch"] = str(__import__("torch").__version__)
@@ -259,7 +266,7 @@ class RecorderIO:
         return array
 
     def close(self, *, reason: str, steps: int, gpu: dict | None) -> None:
-        from overshoot.run_dir import now_iso
+        from overshoot.rundir.meta import now_iso
 
         try:
             self.writer.close()

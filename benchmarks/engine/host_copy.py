@@ -1,6 +1,6 @@
 """A step's two small host transfers around a busy kernel: DMA copies against zero-copy kernels.
 
-    python benchmarks/host_copy.py
+    python benchmarks/engine/host_copy.py
 
 Each iteration is what the engine's stream sees around a step graph: a 280-byte metadata copy from a pinned
 host slot to the device, a ~100 us kernel standing in for the graph, an 8-byte token copy back to pinned
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reference_engine.host_copy import copy_to, zero_copy_available  # noqa: E402
 

@@ -16,10 +16,19 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from overshoot.recorder import Recorder
+
+class Recorder(Protocol):
+    """What the lifecycle needs of a recorder (a protocol, so this module does not import the recorder)."""
+
+    tag: str
+    _owner: int | None
+    _closed: bool
+
+    def flush(self) -> None: ...
+    def _close(self, reason: str) -> None: ...
+    def _finish(self, *, reason: str, drain: bool) -> None: ...
 
 
 _live: weakref.WeakSet[Recorder] = weakref.WeakSet()

@@ -1,6 +1,6 @@
 """Tile sweep for the fused decode GEMMs (reference_engine/kernels/skinny_gemm.py) against cuBLAS.
 
-    python benchmarks/skinny_gemm_sweep.py [--rows 1 4 8] [--shapes NAME ...] [--json out.json]
+    python benchmarks/engine/skinny_gemm_sweep.py [--rows 1 4 8] [--shapes NAME ...] [--json out.json]
 
 For each qwen3-4b decode shape, a CUDA graph runs the op over enough distinct weight copies that the chain
 is several times the L2 (so every weight comes from HBM, as in a real step), and its replays are timed with
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reference_engine.kernels import skinny_gemm as sg  # noqa: E402
 from reference_engine.kernels.pdl import set_pdl  # noqa: E402

@@ -1,6 +1,6 @@
 """Torch reference vs Triton kernels on the qwen3-4b decode shapes: correctness on the GPU, then timings.
 
-    python benchmarks/kernels.py [--batches 1 8] [--context 1024 4096] [--json results.json]
+    python benchmarks/engine/kernels.py [--batches 1 8] [--context 1024 4096] [--json results.json]
 
 Each row is measured side by side in one run: `graph` = do_bench_cudagraph median (GPU time as replayed by
 --graph model/step), `eager` = do_bench median (back-to-back eager calls: GPU time or launch cost, whichever
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 # qwen3-4b decode shapes
 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE = 2560, 32, 8, 128, 9728, 16
@@ -240,7 +240,8 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (the Triton kernels are timed there)", file=sys.stderr)
+        print("benchmarks/engine/kernels.py needs a CUDA GPU (the Triton kernels are timed there)",
+              file=sys.stderr)
         return 1
     import triton
 

@@ -1,7 +1,7 @@
 """A decode layer's projections after attention at one row (o_proj + residual, gate_up + SiLU, down +
 residual, the next layer's qkv), four ways.
 
-    python benchmarks/layer_tail.py [--sweep]
+    python benchmarks/engine/layer_tail.py [--sweep]
 
 `o+mlp+qkv`: one launch (fused_mlp.o_proj_mlp with next_qkv, the engine's per-layer default); `o+mlp`:
 that launch without the qkv, then qkv; `mlp`: o_proj, the MLP in one launch, qkv; `off`: four skinny_gemm
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reference_engine.kernels import fused_mlp, skinny_gemm  # noqa: E402
 from reference_engine.kernels.fused_mlp import MlpTiles  # noqa: E402
