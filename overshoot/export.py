@@ -13,9 +13,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from overshoot.analysis.analyze import joined_steps, steps_table
+from overshoot.analysis.analyze import CPU_BOUND_SHARE, joined_steps, steps_table
 
-WHATS = ("steps", "spans", "gpu")
+WHATS = ("steps", "spans", "gpu", "kernels")
 FORMATS = ("parquet", "csv", "chrome")
 
 STEPS_TYPES = {
@@ -32,7 +32,15 @@ STEPS_TYPES = {
     "phase": pa.string(),
     "gpu_ms": pa.float64(),
     "gpu_idle_before_ms": pa.float64(),
+    "gpu_busy_ms": pa.float64(),
+    "gpu_idle_in_step_ms": pa.float64(),
+    "kernels": pa.float64(),
+    "launch_ms": pa.float64(),
+    "gpu_idle_ms": pa.float64(),
+    "gpu_idle_share": pa.float64(),
+    "gpu_timing": pa.string(),
     "cpu_bound": pa.bool_(),
+    "thread_never_waited": pa.bool_(),
     "concurrency": pa.int32(),
     "load_window": pa.string(),
 }
@@ -44,6 +52,19 @@ SPANS_TYPES = {
     "label": pa.string(),
     "start_ns": pa.int64(),
     "dur_ns": pa.int64(),
+}
+KERNELS_TYPES = {
+    "pid": pa.int64(),
+    "thread": pa.string(),
+    "kind": pa.string(),
+    "name": pa.string(),
+    "stream": pa.int64(),
+    "correlation": pa.int64(),
+    "launch_start_ns": pa.int64(),
+    "launch_end_ns": pa.int64(),
+    "gpu_start_ns": pa.int64(),
+    "gpu_end_ns": pa.int64(),
+    "gpu_ms": pa.float64(),
 }
 GPU_TYPES = {
     "pid": pa.int64(),
@@ -68,9 +89,16 @@ def format_for(path: Path, fmt: str | None) -> str:
     return {".csv": "csv", ".json": "chrome"}.get(path.suffix.lower(), "parquet")
 
 
-def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, warmup_steps: int = 0) -> pd.DataFrame:
+def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: float = CPU_BOUND_SHARE,
+             warmup_steps: int = 0) -> pd.DataFrame:
     if what == "steps":
-        return steps_table(run, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps)
+        return steps_table(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                           warmup_steps=warmup_steps)
+    if what == "kernels":
+        kernels = run.kernels if run.kernels is not None else pd.DataFrame(columns=list(KERNELS_TYPES))
+        kernels = kernels.assign(thread=kernels["thread"].astype("str"),
+                                 gpu_ms=(kernels["gpu_end_ns"] - kernels["gpu_start_ns"]) / 1e6)
+        return kernels[list(KERNELS_TYPES)].sort_values(["pid", "gpu_start_ns"], kind="stable")
     if what == "spans":
         spans = run.spans.assign(thread=run.spans["thread"].astype("str"))
         return spans[list(SPANS_TYPES)].sort_values(["pid", "thread", "start_ns"], kind="stable")
@@ -83,7 +111,7 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, warmup_steps: int = 
 
 def to_arrow(df: pd.DataFrame, what: str) -> pa.Table:
     """The table with the documented Arrow types; extra fact columns keep their inferred types."""
-    known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES}[what]
+    known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES, "kernels": KERNELS_TYPES}[what]
     table = pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False)
     fields = []
     for f in table.schema:
@@ -101,6 +129,7 @@ def export(
     what: str = "steps",
     fmt: str | None = None,
     cpu_bound_ms: float = 0.02,
+    cpu_bound_share: float = CPU_BOUND_SHARE,
     warmup_steps: int = 0,
 ) -> tuple[str, int]:
     """Write one table (or the whole trace) to `out`; returns (format, number of rows/events written)."""
@@ -109,10 +138,11 @@ def export(
     if what not in WHATS:
         raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
     if fmt == "chrome":
-        trace = chrome_trace(run, cpu_bound_ms=cpu_bound_ms)
+        trace = chrome_trace(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share)
         _write(out, lambda f: json.dump(trace, f), text=True)
         return fmt, len(trace["traceEvents"])
-    df = table_of(run, what, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps)
+    df = table_of(run, what, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                  warmup_steps=warmup_steps)
     if fmt == "csv":
         _write(out, lambda f: df.to_csv(f, index=False), text=True)
     else:
@@ -129,10 +159,11 @@ def _write(out: Path, write, *, text: bool) -> None:
         raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
 
 
-def chrome_trace(run, *, cpu_bound_ms: float = 0.02) -> dict:
+def chrome_trace(run, *, cpu_bound_ms: float = 0.02, cpu_bound_share: float = CPU_BOUND_SHARE) -> dict:
     """Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing): per recorder one engine-thread track with
-    steps, busy/wait/idle spans as nested complete events, and one GPU track with each step's GPU work."""
-    steps = joined_steps(run, cpu_bound_ms=cpu_bound_ms)
+    steps, busy/wait/idle spans as nested complete events, one GPU track with each step's GPU work, and one
+    track of recorded kernels per process and stream."""
+    steps = joined_steps(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share)
     spans, gpu = run.spans, steps[steps["gpu_start_ns"].notna()]
     starts = [steps["start_ns"].min()] + ([spans["start_ns"].min()] if len(spans) else [])
     starts += [gpu["gpu_start_ns"].min()] if len(gpu) else []
@@ -190,7 +221,7 @@ def chrome_trace(run, *, cpu_bound_ms: float = 0.02) -> dict:
                     "batch_size": int(row.batch_size),
                     "num_tokens": int(row.num_tokens),
                     "wait_ms": float(row.wait_ms),
-                    "cpu_bound": bool(row.cpu_bound),
+                    "cpu_bound": None if pd.isna(row.cpu_bound) else bool(row.cpu_bound),
                 },
             }
         )
@@ -238,8 +269,29 @@ def chrome_trace(run, *, cpu_bound_ms: float = 0.02) -> dict:
                 "args": {"step": int(row.step), "gpu_idle_before_ms": idle},
             }
         )
+    events += _kernel_events(run, us)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"run_id": run.run_id, "time_origin_ns": origin},
     }
+
+
+def _kernel_events(run, us) -> list[dict]:
+    """Recorded kernels and copies, one track per (pid, stream) (tids from 10,000 up, beside the engine's)."""
+    kernels = run.kernels
+    if kernels is None or len(kernels) == 0:
+        return []
+    events: list[dict] = []
+    streams = kernels[["pid", "stream"]].drop_duplicates().itertuples(index=False)
+    tid_of = {(int(p), int(s)): 10_000 + i for i, (p, s) in enumerate(streams)}
+    for (pid, stream), tid in tid_of.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": f"GPU kernels (stream {stream})"}})
+    starts, ends = us(kernels["gpu_start_ns"]), us(kernels["gpu_end_ns"])
+    rows = kernels[["pid", "stream", "kind", "name", "correlation"]].itertuples(index=False)
+    for row, ts, end in zip(rows, starts, ends, strict=True):
+        events.append({"ph": "X", "cat": str(row.kind), "name": str(row.name or row.kind),
+                       "pid": int(row.pid), "tid": tid_of[(int(row.pid), int(row.stream))], "ts": float(ts),
+                       "dur": float(end - ts), "args": {"correlation": int(row.correlation)}})
+    return events

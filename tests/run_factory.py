@@ -105,3 +105,103 @@ def write_run(
     if meta is not None or not meta_path.exists():
         meta_path.write_text(json.dumps({"engine": "simulated", **(meta or {})}))
     return path
+
+
+@dataclass
+class KernelTimeline:
+    frames: Frames
+    kernels: pd.DataFrame  # the kernels table (KERNELS_SCHEMA columns)
+    busy_ms: np.ndarray  # per step: the GPU busy time launched in it (truth)
+    idle_share: np.ndarray  # per step: GPU idle (before + inside) over the step (truth)
+    step_ms: np.ndarray
+
+
+def simulate_kernel_timeline(
+    n: int,
+    *,
+    mode: str = "async",
+    kernels: int = 20,
+    kernel_us: float = 5.0,
+    launch_us: float = 20.0,
+    pre_ms: float = 0.2,
+    post_ms: float = 0.1,
+    latency_us: float = 4.0,
+    start_ns: int = 10_000_000_000,
+    batch_size: int = 4,
+    phase: str = "decode",
+) -> KernelTimeline:
+    """An engine whose GPU work is `kernels` launches a step, each a host call of `launch_us` that enqueues a
+    kernel of `kernel_us`; a kernel starts at max(its launch + `latency_us`, the previous kernel's end).
+    Each step: busy `pre_ms`, the launches, a wait (sync: for its own batch; async: for the previous one),
+    busy `post_ms`. The truth is computed here, arithmetically: per-step GPU busy and idle share."""
+    t = float(start_ns)
+    gpu_free = 0.0
+    pending_end: float | None = None
+    steps, spans, gpu, rows = [], [], [], []
+    busy, idle_share, step_ms = [], [], []
+    last_batch_end = None
+    corr = 0
+    for i in range(n):
+        begin = t
+        spans.append((i, "busy", "schedule", int(t), int(pre_ms * 1e6)))
+        t += pre_ms * 1e6
+        launch_start = t
+        first = None
+        for _ in range(kernels):
+            k_start = max(t + latency_us * 1e3, gpu_free)
+            gpu_free = k_start + kernel_us * 1e3
+            first = k_start if first is None else first
+            corr += 1
+            launch_end = int(t + launch_us * 1e3)
+            rows.append(("kernel", "k", 7, corr, int(t), launch_end, int(k_start), int(gpu_free)))
+            t += launch_us * 1e3
+        spans.append((i, "busy", "launch", int(launch_start), int(t - launch_start)))
+        gpu.append((i, int(first), int(gpu_free)))
+        awaited = gpu_free if mode == "sync" else pending_end
+        pending_end = gpu_free
+        wait_ns = 0.0
+        if awaited is not None:
+            wait_start = t + 2_000
+            wait_end = max(wait_start, awaited) + 1_000
+            spans.append((i, "wait", "gpu", int(wait_start), int(wait_end - wait_start)))
+            wait_ns = wait_end - wait_start
+            t = wait_end
+        spans.append((i, "busy", "update", int(t), int(post_ms * 1e6)))
+        t += post_ms * 1e6
+        steps.append((i, int(begin), int(t), int(wait_ns), batch_size, batch_size, phase))
+        work = kernels * kernel_us * 1e3
+        before = 0.0 if last_batch_end is None else max(first - last_batch_end, 0.0)
+        inside = (gpu_free - first) - work
+        last_batch_end = gpu_free
+        busy.append(work / 1e6)
+        step_ms.append((t - begin) / 1e6)
+        idle_share.append((before + inside) / (t - begin))
+    frames = Frames(
+        pd.DataFrame(steps, columns=BASE_SCHEMAS["steps"].names),
+        pd.DataFrame(spans, columns=BASE_SCHEMAS["spans"].names),
+        pd.DataFrame(gpu, columns=BASE_SCHEMAS["gpu"].names),
+    )
+    table = pd.DataFrame(rows, columns=BASE_SCHEMAS["kernels"].names)
+    return KernelTimeline(frames, table, np.array(busy), np.array(idle_share), np.array(step_ms))
+
+
+def write_kernel_run(path: Path, timeline: KernelTimeline, *,
+                     windows: list[tuple[int, int]] | None = None, **options) -> Path:
+    """write_run plus the kernels table (only those launched inside `windows` when given) and the windows."""
+    write_run(path, timeline.frames, **options)
+    kernels = timeline.kernels
+    if windows is not None:
+        launch = kernels["launch_start_ns"].to_numpy()
+        keep = np.zeros(len(kernels), bool)
+        for lo, hi in windows:
+            keep |= (launch >= lo) & (launch < hi)
+        kernels = kernels[keep]
+    writer = SpoolWriter(path / "spool", f"{options.get('pid', 4242)}-{options.get('tag', 'engine')}")
+    schema = BASE_SCHEMAS["kernels"]
+    writer.write("kernels", pa.RecordBatch.from_pandas(kernels, schema=schema, preserve_index=False))
+    if windows is not None:
+        frame = pd.DataFrame(windows, columns=["start_ns", "end_ns"])
+        writer.write("kernel_windows", pa.RecordBatch.from_pandas(
+            frame, schema=BASE_SCHEMAS["kernel_windows"], preserve_index=False))
+    writer.close()
+    return path

@@ -88,7 +88,7 @@ def test_report_prints_table_verdicts_and_client_stats(runs):
     result = overshoot("report", runs["a"])
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "decode @ 1 request, batch 4:" in out and "of steps CPU-bound; GPU idle" in out
+    assert "decode @ 1 request, batch 4:" in out and "of steps CPU-bound; the thread never waited in" in out
     assert "a 10% faster GPU step would shorten steps by" in out
     assert "client side, per concurrency level" in out and "scheduling: async" in out
 
@@ -134,14 +134,25 @@ def test_export_parquet_csv_with_exact_schema(runs, tmp_path):
         "phase": "string",
         "gpu_ms": "double",
         "gpu_idle_before_ms": "double",
+        "gpu_busy_ms": "double",
+        "gpu_idle_in_step_ms": "double",
+        "kernels": "double",
+        "launch_ms": "double",
+        "gpu_idle_ms": "double",
+        "gpu_idle_share": "double",
+        "gpu_timing": "string",
         "cpu_bound": "bool",
+        "thread_never_waited": "bool",
         "concurrency": "int32",
         "load_window": "string",
     }
     df = pd.read_parquet(out)
     # async: the last record only waits, so it has no GPU work; the first GPU work has no gap before it
     assert len(df) == 300 and df["gpu_ms"].isna().sum() == 1 and df["gpu_idle_before_ms"].isna().sum() == 2
-    assert str(df["batch_size"].dtype) == "int32" and str(df["cpu_bound"].dtype) == "bool"
+    assert str(df["batch_size"].dtype) == "int32" and str(df["thread_never_waited"].dtype) == "bool"
+    # the verdict is unknown (null) where the step has no GPU data: the first and the last
+    assert df["cpu_bound"].isna().sum() == 2 and df["cpu_bound"].dropna().isin([True, False]).all()
+    assert df["gpu_busy_ms"].isna().all()  # events only: GPU busy inside the steps is unknown, never 0
     spans = tmp_path / "spans.csv"
     assert overshoot("export", runs["a"], "-o", spans, "--what", "spans").returncode == 0
     spans_df = pd.read_csv(spans)
@@ -232,7 +243,8 @@ def test_report_reads_a_run_killed_with_sigkill(tmp_path):
     result = overshoot("report", run, "--json")
     assert result.returncode == 0, result.stderr
     (group,) = json.loads(result.stdout)["groups"]
-    assert group["batch_size"] == 2 and group["steps"] >= 20 and group["cpu_bound_pct"] == 0
+    assert group["batch_size"] == 2 and group["steps"] >= 20 and group["thread_never_waited_pct"] == 0
+    assert group["cpu_bound_pct"] is None and group["gpu_timing"] == "none"  # no GPU data: unknown, not 0
 
 
 def test_help_has_examples_and_nothing_imports_torch(runs):
@@ -269,13 +281,14 @@ def test_report_rendered_to_a_fixed_width_console(tmp_path):
     render(report, console)
     text = console.export_text()
     expected_rows = [
-        "phase  batch steps   ms   ms   ms   ms   ms bound idle share gpu-10% cpu-10%",
-        "decode     1   100 2.40 2.40 1.21 1.20 1.20    0%  50%   50%   -5.0%   -5.0%",
+        "phase  batch steps   ms   ms   ms   ms    ms bound idle step gpu-10% cpu-10%",
+        "decode     1   100 2.40 2.40 1.21 1.20 1.20*  100%  50%    ?   -5.0%   -5.0%",
     ]
     for row in expected_rows:
         assert row in text, text
     assert (
-        "decode @ batch 1: CPU busy 50% of the step; 0% of steps CPU-bound; GPU idle 50%; a 10% faster GPU "
+        "decode @ batch 1: CPU busy 50% of the step; 100% of steps CPU-bound; the thread never waited in 0%; "
+        "GPU idle 50% (between steps; inside them unknown: CUDA events only); a 10% faster GPU "
         "step would shorten steps by 5.0%; a 10% faster CPU work per step would shorten steps by 5.0%"
     ) in " ".join(text.split())
 
@@ -295,7 +308,7 @@ def test_narrow_console_drops_what_if_columns_before_cutting_numbers(tmp_path):
     render(report, wide)
     narrow_text, wide_text = narrow.export_text(), wide.export_text()
     assert "level phase  batch steps" in narrow_text and "…" not in narrow_text
-    assert "   16 decode     1    50 2.40 2.40 1.21 1.20 1.20    0%" in narrow_text
+    assert "   16 decode     1    50 2.40 2.40 1.21 1.20 1.20*  100%" in narrow_text
     assert "gpu-10%" not in narrow_text and "what-if columns left out" in narrow_text
     assert "gpu-10% cpu-10%" in wide_text and "what-if columns left out" not in wide_text
 

@@ -11,13 +11,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.kernels import primary_row
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
+    CPU_BOUND_SHARE,
     LOAD_WINDOWS,
+    NEVER_WAITED_MS,
     RAW_STEP_COLUMNS,
     STEP_COLUMNS,
     drop_warmup,
     extra_fact_columns,
     joined_steps,
+    joined_steps_and_kernels,
     steps_table,
 )
 
@@ -42,15 +46,8 @@ ASYNC_SHARE = 0.5
 
 def primary_timeline(df: pd.DataFrame) -> tuple[int, str]:
     """The engine thread: the (pid, thread) with the most steps (ties: the earliest to start)."""
-    best = _primary_row(df)
+    best = primary_row(df)
     return int(df["pid"].iat[best]), str(df["thread"].iat[best])
-
-
-def _primary_row(df: pd.DataFrame) -> int:
-    """A row of the primary timeline (see primary_timeline)."""
-    code = df["_timeline"].to_numpy()
-    _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
-    return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])
 
 
 @dataclass
@@ -157,7 +154,8 @@ _MIN_STEPS_FOR_CHECK = 20
 def summarize(
     run,
     *,
-    cpu_bound_ms: float = 0.02,
+    cpu_bound_ms: float = NEVER_WAITED_MS,
+    cpu_bound_share: float = CPU_BOUND_SHARE,
     warmup_steps: int = 0,
     mode: str | None = None,
     what_ifs: list | None = None,
@@ -166,8 +164,9 @@ def summarize(
     from overshoot.analysis import whatif
 
     what_ifs = list(what_ifs or [])
-    full = joined_steps(run, cpu_bound_ms=cpu_bound_ms)
-    best = _primary_row(full)
+    full, step_kernels = joined_steps_and_kernels(run, cpu_bound_ms=cpu_bound_ms,
+                                                  cpu_bound_share=cpu_bound_share)
+    best = primary_row(full)
     pid, thread = int(full["pid"].iat[best]), str(full["thread"].iat[best])
     on_primary = full["_timeline"].to_numpy() == full["_timeline"].iat[best]  # ints, not string compares
     timeline = full if on_primary.all() else full[on_primary].reset_index(drop=True)  # ordered by start
@@ -176,7 +175,7 @@ def summarize(
         mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
         spans = spans if mine.all() else spans[mine]
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
-    proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode)
+    proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode, kernels=step_kernels)
     timeline["model_ms"] = proj.baseline_ms
     for w in what_ifs:
         timeline[f"whatif:{w.label}"] = proj.projected_ms[w.label]
@@ -190,8 +189,15 @@ def summarize(
         if outside.any() and not outside.all():
             left_out = _left_out_note(kept["load_window"][outside])
             kept = kept[~outside]
+    # Steps that ran no batch (batch size 0: e.g. an engine's empty iterations) are no group of their own:
+    # projections over their near-empty work are meaningless. They stay in the steps table.
+    empty = kept["batch_size"].to_numpy() == 0
+    if empty.any() and not empty.all():
+        kept = kept[~empty]
+        left_out = "; ".join(filter(None, [left_out, f"{int(empty.sum())} steps with no batch (batch size 0) "
+                                           "are not summarised"]))
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
-    groups = _aggregate(kept, keys, what_ifs, cpu_bound_ms)
+    groups = _aggregate(kept, keys, what_ifs)
     notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
     if left_out:
         notes.insert(1, left_out)
@@ -226,7 +232,7 @@ def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
     return group_id, first_row
 
 
-def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: float) -> pd.DataFrame:
+def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list) -> pd.DataFrame:
     group_id, first_row = _group_ids(df, keys)
     n_groups = len(first_row)
 
@@ -234,11 +240,15 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
         return np.bincount(group_id, weights=values, minlength=n_groups)
 
     step = df["step_ms"].to_numpy()
-    idle = df["gpu_idle_before_ms"].to_numpy()
-    has_gpu = ~np.isnan(df["gpu_ms"].to_numpy())
-    has_idle = ~np.isnan(idle)
+    idle_before = df["gpu_idle_before_ms"].to_numpy(dtype="float64")
+    has_idle = ~np.isnan(idle_before)
     count = np.bincount(group_id, minlength=n_groups)
-    medians = pd.DataFrame({c: df[c].to_numpy() for c in ("step_ms", "busy_ms", "wait_ms", "gpu_ms")})
+    source = df["gpu_timing"].to_numpy(dtype=object)
+    measured = source == "kernels"
+    columns = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "kernels", "launch_ms")
+    medians = pd.DataFrame({c: df[c].to_numpy(dtype="float64") for c in columns})
+    for c in ("gpu_busy_ms", "kernels", "launch_ms"):  # measured steps only
+        medians.loc[~measured, c] = np.nan
     by_group = medians.groupby(group_id, sort=True)
     median = by_group.median()
     out = df[keys].iloc[first_row].reset_index(drop=True)
@@ -250,12 +260,24 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
     out["busy_ms_median"] = median["busy_ms"].to_numpy()
     out["wait_ms_median"] = median["wait_ms"].to_numpy()
     out["gpu_ms_median"] = median["gpu_ms"].to_numpy()
+    out["gpu_busy_ms_median"] = median["gpu_busy_ms"].to_numpy()
+    out["kernels_median"] = median["kernels"].to_numpy()
+    out["launch_ms_median"] = median["launch_ms"].to_numpy()
+    out["kernel_steps"] = total(measured.astype("float64")).astype("int64")
+    out["gpu_timing"] = _group_timing(total, source, count)
+    verdict = df["cpu_bound"].to_numpy(dtype="float64", na_value=np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out["cpu_bound_pct"] = 100.0 * total(df["cpu_bound"].to_numpy(dtype="float64")) / count
-        idle_steps = total(np.where(has_idle, idle > cpu_bound_ms, 0.0))
+        known = ~np.isnan(verdict)
+        out["cpu_bound_pct"] = 100.0 * total(np.nan_to_num(verdict)) / total(known.astype("float64"))
+        never_waited = df["thread_never_waited"].to_numpy(dtype="float64")
+        out["thread_never_waited_pct"] = 100.0 * total(never_waited) / count
+        out["gpu_idle_pct"] = _idle_share(total, df, source)
+        # The gaps between kernels inside steps: instrumented steps only (unknown without kernel data).
+        idle_in = np.nan_to_num(df["gpu_idle_in_step_ms"].to_numpy(dtype="float64"))
+        out["gpu_idle_in_step_pct"] = 100.0 * total(np.where(measured, idle_in, 0.0)) / total(
+            np.where(measured, step, 0.0))
+        idle_steps = total(np.where(has_idle, idle_before > NEVER_WAITED_MS, 0.0))
         out["gpu_idle_steps_pct"] = 100.0 * idle_steps / total(has_idle.astype("float64"))
-        # GPU idle share, time-weighted: sum of GPU idle before the steps / sum of those steps' durations.
-        out["gpu_idle_pct"] = 100.0 * total(np.nan_to_num(idle)) / total(np.where(has_gpu, step, 0.0))
         out["cpu_share_pct"] = 100.0 * total(df["busy_ms"].to_numpy()) / total(step)
         if "spec_tokens" in df.columns:  # speculating engines: draft tokens verified per step, on average
             drafts = pd.to_numeric(df["spec_tokens"], errors="coerce").fillna(0).to_numpy(dtype="float64")
@@ -268,6 +290,33 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
         for w in what_ifs:
             out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)
     return out.replace([np.inf, -np.inf], np.nan)
+
+
+# Sources of a step's GPU idle, best first (analysis/kernels.py): a group's share comes from its best one.
+_SOURCES = ("estimate", "kernels", "events")
+
+
+def _idle_share(total, df: pd.DataFrame, source: np.ndarray) -> np.ndarray:
+    """GPU idle share of each group's steps, time-weighted, from the group's best source: plain steps of a
+    sampled group ("estimate": step time of uninstrumented steps, GPU busy of instrumented ones), else the
+    instrumented steps, else the idle before the steps (events)."""
+    idle = df["gpu_idle_ms"].to_numpy(dtype="float64")
+    step = df["step_ms"].to_numpy()
+    out = np.full(len(total(step)), np.nan)
+    for name in reversed(_SOURCES):  # best last: it overwrites
+        mine = (source == name) & ~np.isnan(idle)
+        denominator = total(np.where(mine, step, 0.0))
+        share = 100.0 * total(np.where(mine, idle, 0.0)) / denominator
+        out = np.where(total(mine.astype("float64")) > 0, share, out)
+    return out
+
+
+def _group_timing(total, source: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Per group: "kernels" (every step instrumented), "sampled", "events" or "none"."""
+    kernels = total((source == "kernels").astype("float64"))
+    events = total(np.isin(source, ("events", "estimate")).astype("float64"))
+    return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled",
+                    np.where(events > 0, "events", "none"))).astype(object)
 
 
 def _group_windows(df: pd.DataFrame, groups: pd.DataFrame, total, count: np.ndarray) -> np.ndarray:
@@ -306,30 +355,38 @@ def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, 
     notes.append(f"scheduling: {guess.mode}, from {guess.source}{detail}")
     if guess.mode == "async":
         notes.append(
-            "async alignment: record n launches batch n+1 and waits for batch n, so a CPU-bound "
-            "record n should show GPU idle before the work it launches"
+            "async alignment: record n launches batch n+1 and waits for batch n, so a record whose thread "
+            "never waited should show GPU idle before the work it launches"
         )
         for row in groups.to_dict("records"):
             if row["steps"] < _MIN_STEPS_FOR_CHECK or pd.isna(row["gpu_idle_steps_pct"]):
                 continue
-            diff = row["cpu_bound_pct"] - row["gpu_idle_steps_pct"]
+            diff = row["thread_never_waited_pct"] - row["gpu_idle_steps_pct"]
             if abs(diff) > AGREEMENT_TOLERANCE_PCT:
                 notes.append(
-                    f"{group_title(row, keys)}: {row['cpu_bound_pct']:.0f}% of steps CPU-bound but "
-                    f"{row['gpu_idle_steps_pct']:.0f}% have GPU idle before their work: the two views "
-                    f"disagree by {abs(diff):.0f} points (tolerance {AGREEMENT_TOLERANCE_PCT:g}); CPU work "
-                    "between a launch and the following wait, or waits on something other than the GPU, "
+                    f"{group_title(row, keys)}: the thread never waited in "
+                    f"{row['thread_never_waited_pct']:.0f}% of steps but {row['gpu_idle_steps_pct']:.0f}% "
+                    f"have GPU idle before their work: the two views disagree by {abs(diff):.0f} points "
+                    f"(tolerance {AGREEMENT_TOLERANCE_PCT:g}); CPU work between a launch and the following "
+                    "wait, or waits on something other than the GPU, "
                     "make them differ"
                 )
-    for row in groups.to_dict("records"):
+    unknown_inside = [row for row in groups.to_dict("records") if row["gpu_timing"] == "events"]
+    if unknown_inside:
+        notes.append(
+            "GPU idle inside the steps is unknown for groups timed by CUDA events alone (two events a step "
+            "see the GPU interval, not the gaps between its kernels): their GPU idle counts only the idle "
+            "before each step, a lower bound; run with --gpu-timing sampled or kernels to see inside"
+        )
+    for row in unknown_inside:
         if row["steps"] < _MIN_STEPS_FOR_CHECK or pd.isna(row["gpu_idle_pct"]):
             continue
-        if row["cpu_bound_pct"] >= 50 and row["gpu_idle_pct"] < LAUNCH_GAP_IDLE_PCT:
+        if row["thread_never_waited_pct"] >= 50 and row["gpu_idle_pct"] < LAUNCH_GAP_IDLE_PCT:
             notes.append(
-                f"{group_title(row, keys)}: {row['cpu_bound_pct']:.0f}% of steps CPU-bound while the GPU "
-                f"idles only {row['gpu_idle_pct']:.1f}% of the time between steps: CPU and GPU take about "
-                "as long, or the GPU waits on launches inside the steps (gaps within a step's GPU interval "
-                "do not count as GPU idle); either way a faster GPU step would not shorten these steps"
+                f"{group_title(row, keys)}: the thread never waited in "
+                f"{row['thread_never_waited_pct']:.0f}% of steps while the GPU idled only "
+                f"{row['gpu_idle_pct']:.1f}% of the time between steps: the GPU may be waiting on launches "
+                "inside the steps (launch-bound), which events cannot see"
             )
     if proj.model == "replay":
         notes.append(

@@ -23,7 +23,15 @@ STEP_COLUMNS = [
     "phase",
     "gpu_ms",
     "gpu_idle_before_ms",
+    "gpu_busy_ms",
+    "gpu_idle_in_step_ms",
+    "kernels",
+    "launch_ms",
+    "gpu_idle_ms",
+    "gpu_idle_share",
+    "gpu_timing",
     "cpu_bound",
+    "thread_never_waited",
 ]
 RAW_STEP_COLUMNS = [
     "step",
@@ -41,19 +49,32 @@ _STR = pd.api.types.pandas_dtype("str")  # what dtype="str" means in this pandas
 # one, elsewhere. Machine-readable on purpose; the report says "warm-up".
 LOAD_WINDOWS = ("warmup", "level", "outside")
 # Columns the analyzer keeps beside the contract columns (whatif.py and mode detection need them).
-_INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline"]
+_INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline", "_gpu_busy_est_ms"]
+# A step is CPU-bound when the GPU idled, waiting for the CPU, for more than this share of it.
+CPU_BOUND_SHARE = 0.05
+# The case study's narrower view (column thread_never_waited): the thread waited at most this long.
+NEVER_WAITED_MS = 0.02
 
 
 def extra_fact_columns(raw_steps: pd.DataFrame) -> list[str]:
     return [c for c in raw_steps.columns if c not in RAW_STEP_COLUMNS]
 
 
-def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
+def joined_steps(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
+                 cpu_bound_share: float = CPU_BOUND_SHARE) -> pd.DataFrame:
+    return joined_steps_and_kernels(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share)[0]
+
+
+def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
+                             cpu_bound_share: float = CPU_BOUND_SHARE):
     """Every recorded step of every process/thread with GPU times joined; contract columns + _INTERNAL.
 
     Rows are ordered by timeline (pid, thread) and start. Internally a timeline is an integer code, so that
-    a million steps never go through string joins.
+    a million steps never go through string joins. Kernel records, the GPU idle share and the verdicts come
+    from analysis/kernels.py.
     """
+    from overshoot.analysis.kernels import attach_gpu_truth
+
     raw = run.steps
     heads = _run_heads(raw)
     pid_codes, pids = pd.factorize(raw["pid"].to_numpy()[heads])
@@ -84,24 +105,27 @@ def joined_steps(run, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
     gpu_start, gpu_end, idle_before = _gpu_columns(run, df, code, pids, threads)
     out["gpu_ms"] = (gpu_end - gpu_start) / 1e6
     out["gpu_idle_before_ms"] = idle_before
-    out["cpu_bound"] = out["wait_ms"].to_numpy() <= cpu_bound_ms
     levels = (run.meta or {}).get("levels") or []
     if levels:
         out["concurrency"] = _level_of(out["start_ns"].to_numpy(), levels)
         out["load_window"] = _load_window(out["start_ns"].to_numpy(), out["concurrency"], levels)
-    for name in extra_fact_columns(raw):
-        out[name] = df[name]
     out["end_ns"] = df["end_ns"].astype("int64")
     out["gpu_start_ns"] = gpu_start
     out["gpu_end_ns"] = gpu_end
     out["_timeline"] = code
-    return out
+    kernels = attach_gpu_truth(out, run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share)
+    for name in extra_fact_columns(raw):
+        out[name] = df[name]
+    return out, kernels
 
 
-def steps_table(run, *, cpu_bound_ms: float = 0.02, warmup_steps: int = 0) -> pd.DataFrame:
+def steps_table(run, *, cpu_bound_ms: float = NEVER_WAITED_MS, cpu_bound_share: float = CPU_BOUND_SHARE,
+                warmup_steps: int = 0) -> pd.DataFrame:
     """The steps table (docs/schema.md): one row per step of every recorder, ordered by pid, thread, start."""
-    df = drop_warmup(joined_steps(run, cpu_bound_ms=cpu_bound_ms), warmup_steps)
-    return df.drop(columns=_INTERNAL).reset_index(drop=True)
+    df = drop_warmup(joined_steps(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share),
+                     warmup_steps)
+    rest = [c for c in df.columns if c not in STEP_COLUMNS and c not in _INTERNAL]
+    return df[STEP_COLUMNS + rest].reset_index(drop=True)
 
 
 def drop_warmup(df: pd.DataFrame, warmup_steps: int) -> pd.DataFrame:

@@ -1,10 +1,18 @@
 """What-if projections: step times if GPU work or CPU work were x% faster (model: docs/concepts.md).
 
 Preferred model, when the primary timeline has GPU times: replay the recorded dependency structure.
-Per step the thread runs busy CPU segments, launches its GPU work once (at the launch point L) and waits
-(at most one merged wait region per step). GPU work runs in order on its stream, starting at
-max(L', previous GPU end'); a wait ends at max(wait start', awaited GPU end') + the recorded wake-up residual.
-Idle time between steps is kept as recorded. Fallback without GPU times: a per-step model.
+Per step the thread runs busy CPU segments, launches its GPU work (from the launch point L) and waits
+(at most one merged wait region per step); a wait ends at max(wait start', awaited GPU end') + the recorded
+wake-up residual. Idle time between steps is kept as recorded. The GPU work of a step ends at
+max(previous GPU end' + D, L' + K), by what the step's GPU data can tell:
+- kernels recorded (analysis/kernels.py): each kernel starts at max(its launch' + launch latency, the
+  previous kernel's end'), so D = the kernels' durations and K = max over kernels of (launch offset' +
+  latency + the remaining durations); `cpu` scales launch offsets, `gpu` scales kernels;
+- a plain step of a group with recorded kernels: D = the group's GPU busy, K = max(D, interval x cpu): the
+  work ends no sooner than all of it at full speed, nor before the launches (spread over its interval) end;
+- CUDA events only: one block, D = K = the interval (which holds the gaps between kernels: a faster CPU
+  cannot shorten it, a known limit that the report names).
+Fallback without any GPU times: a per-step model.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from overshoot.analysis.kernels import StepKernels
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
 # a wait no longer than SHORT_WAIT_NS (the thread did not really block) awaits work ended by its start + this.
@@ -61,15 +71,18 @@ class Projection:
 
 
 def project(
-    timeline: pd.DataFrame, spans: pd.DataFrame | None, what_ifs: list[WhatIf], *, mode: str
+    timeline: pd.DataFrame, spans: pd.DataFrame | None, what_ifs: list[WhatIf], *, mode: str,
+    kernels: StepKernels | None = None,
 ) -> Projection:
-    """Projected step times of one timeline (rows sorted by start_ns) for each what-if."""
+    """Projected step times of one timeline (rows sorted by start_ns) for each what-if; `kernels`: the
+    timeline's kernel records joined to its steps (analysis/kernels.py)."""
     recorded = timeline["step_ms"].to_numpy(dtype="float64")
     if not what_ifs:  # nothing to project: skip the replay
         return Projection("none", recorded, {})
-    if timeline["gpu_end_ns"].notna().sum() == 0:
+    has_kernels = kernels is not None and kernels.any
+    if timeline["gpu_end_ns"].notna().sum() == 0 and not has_kernels:
         return Projection("per-step", recorded, {w.label: _per_step(timeline, w, mode) for w in what_ifs})
-    plan = _replay_plan(timeline, spans)
+    plan = _replay_plan(timeline, spans, kernels if has_kernels else None)
     baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0)
     projected = {}
     for w in what_ifs:
@@ -83,14 +96,15 @@ def project(
 
 def _per_step(timeline: pd.DataFrame, w: WhatIf, mode: str) -> np.ndarray:
     """No GPU times. sync: step = busy + wait, the wait standing for the GPU work not hidden behind the CPU.
-    async: step = max(CPU busy, GPU path); the GPU path is known (busy + wait) only in steps that waited;
-    in the others it is at most the busy time, which bounds the projection."""
+    async: step = max(CPU busy, GPU path); the GPU path is known (busy + wait) only in steps that waited.
+    In the others the GPU was done before the thread needed it: its path is unknown and taken as nothing,
+    so a faster CPU's gain there is an upper bound (the report says so)."""
     busy = timeline["busy_ms"].to_numpy(dtype="float64")
     wait = timeline["wait_ms"].to_numpy(dtype="float64")
     cpu, gpu = (1.0 + w.change, 1.0) if w.target == "cpu" else (1.0, 1.0 + w.change)
     if mode == "sync":
         return busy * cpu + wait * gpu
-    gpu_path = np.where(wait > 0, busy + wait, busy)
+    gpu_path = np.where(wait > 0, busy + wait, 0.0)
     return np.maximum(busy * cpu, gpu_path * gpu)
 
 
@@ -103,14 +117,17 @@ class _Plan:
     c1: np.ndarray  # busy between the two events
     c2: np.ndarray  # busy after the second event
     wait_first: np.ndarray  # True: the step waits before it launches
-    gpu_ns: np.ndarray  # GPU duration, 0 when the step launched nothing
+    gpu_ns: np.ndarray  # GPU interval (events), 0 when the step launched nothing
     has_gpu: np.ndarray
+    kernels: StepKernels | None  # kernel chains of instrumented steps
+    kernel_step: np.ndarray  # the step's GPU work is replayed kernel by kernel
+    busy_est: np.ndarray  # plain step of a group with kernel data: the group's GPU busy (ns), else NaN
     awaited: np.ndarray  # row index of the GPU work the wait awaits, -1: a wait on something else
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
 
 
-def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None) -> _Plan:
+def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None = None) -> _Plan:
     start = tl["start_ns"].to_numpy(dtype="float64")
     end = tl["end_ns"].to_numpy(dtype="float64")
     wait_union = tl["wait_ms"].to_numpy(dtype="float64") * 1e6
@@ -133,6 +150,11 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None) -> _Plan:
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
     g_start = tl["gpu_start_ns"].to_numpy(dtype="float64")
     g_end = tl["gpu_end_ns"].to_numpy(dtype="float64")
+    kernel_step = np.zeros(len(tl), bool)
+    if kernels is not None:
+        kernel_step = kernels.instrumented & (np.nan_to_num(kernels.kernels) > 0)
+        g_start = np.where(kernel_step, kernels.first_ns, g_start)
+        g_end = np.where(kernel_step, kernels.last_ns, g_end)
     has_gpu = ~np.isnan(g_start)
     # Launch point: recorded when the recorder gives it, else the GPU start if the GPU idled until then, and
     # never after the step's first wait (engines launch, then wait): min(gpu start, wait start).
@@ -140,6 +162,8 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None) -> _Plan:
         launch = tl["launch_ns"].to_numpy(dtype="float64")
     else:
         launch = np.fmin(np.fmin(g_start, ws), _launch_span_start(tl, spans))
+    if kernels is not None:  # launch offsets of the kernel chains are relative to the first launch
+        launch = np.where(kernel_step, kernels.first_launch_ns, launch)
     launch = np.clip(np.where(has_gpu, launch, ws), start, end)
     wait_first = has_gpu & (launch > ws) & has_wait
     first = np.where(wait_first, ws, launch)
@@ -162,6 +186,10 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None) -> _Plan:
     c2 = np.maximum(c2, 0.0) + inner_busy
     gap = np.concatenate([[0.0], np.maximum(start[1:] - end[:-1], 0.0)])
     gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
+    busy_est = np.full(len(tl), np.nan)
+    if kernels is not None and "_gpu_busy_est_ms" in tl.columns:
+        busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
+                            np.nan)
     return _Plan(
         gap,
         np.maximum(c0, 0),
@@ -170,10 +198,29 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None) -> _Plan:
         wait_first,
         gpu_ns,
         has_gpu,
+        kernels,
+        kernel_step,
+        busy_est,
         awaited.astype("int64"),
         residual,
         fixed_wait,
     )
+
+
+def _gpu_terms(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(D, K) per step: its GPU work ends at max(previous GPU end + D, launch' + K) (module docstring)."""
+    block = p.gpu_ns * gpu_scale
+    d, k = block, block
+    estimate = ~np.isnan(p.busy_est)
+    if estimate.any():
+        busy = p.busy_est * gpu_scale
+        d = np.where(estimate, busy, d)
+        k = np.where(estimate, np.maximum(busy, p.gpu_ns * cpu_scale), k)
+    if p.kernels is not None and p.kernel_step.any():
+        chain_k = p.kernels.replay_terms(cpu_scale, gpu_scale)
+        d = np.where(p.kernel_step, p.kernels.chain_total * gpu_scale, d)
+        k = np.where(p.kernel_step, chain_k, k)
+    return d, k
 
 
 def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
@@ -198,19 +245,20 @@ def _replay(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
     """Projected step times (ms). Steps that each wait for their own GPU work (sync engines) are independent:
     vectorised. Otherwise the sequential recurrence, one tight loop over steps (about 1 µs per step)."""
     rows = np.arange(len(p.c0))
+    d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
     if not p.wait_first.any() and np.all(np.where(p.has_gpu, p.awaited == rows, p.awaited < 0)):
-        # The previous GPU work has ended before this step launches, so GPU start = launch.
-        gpu = p.gpu_ns * gpu_scale
+        # The previous GPU work has ended before this step launches, so its GPU work ends at launch' + K.
         waited = np.where(
-            p.awaited >= 0, np.maximum(p.c1 * cpu_scale, gpu) + p.residual, p.c1 * cpu_scale + p.fixed_wait
+            p.awaited >= 0, np.maximum(p.c1 * cpu_scale, k) + p.residual, p.c1 * cpu_scale + p.fixed_wait
         )
         return ((p.c0 + p.c2) * cpu_scale + waited) / 1e6
-    return _replay_loop(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
+    return _replay_loop(p, d, k, cpu_scale=cpu_scale)
 
 
-def _replay_loop(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
+def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale: float) -> np.ndarray:
     gap, c0, c1, c2 = p.gap.tolist(), p.c0.tolist(), p.c1.tolist(), p.c2.tolist()
-    wait_first, gpu_ns, has_gpu = p.wait_first.tolist(), p.gpu_ns.tolist(), p.has_gpu.tolist()
+    wait_first, has_gpu = p.wait_first.tolist(), p.has_gpu.tolist()
+    d_gpu, k_gpu = d_ns.tolist(), k_ns.tolist()
     awaited, residual, fixed_wait = p.awaited.tolist(), p.residual.tolist(), p.fixed_wait.tolist()
     n = len(c0)
     gpu_end = [0.0] * n
@@ -225,11 +273,11 @@ def _replay_loop(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
             k = awaited[i]
             t = (max(t, gpu_end[k]) + residual[i]) if k >= 0 else t + fixed_wait[i]
             t += c1[i] * cpu_scale
-            last_gpu_end = max(t, last_gpu_end) + gpu_ns[i] * gpu_scale
+            last_gpu_end = max(last_gpu_end + d_gpu[i], t + k_gpu[i])
             gpu_end[i] = last_gpu_end
         else:
             if has_gpu[i]:
-                last_gpu_end = max(t, last_gpu_end) + gpu_ns[i] * gpu_scale
+                last_gpu_end = max(last_gpu_end + d_gpu[i], t + k_gpu[i])
                 gpu_end[i] = last_gpu_end
             t += c1[i] * cpu_scale
             k = awaited[i]

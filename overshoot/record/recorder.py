@@ -14,7 +14,11 @@ Semantics (docs/contracts.md section 1):
 - a span open at a step boundary is split there: the part before belongs to the old step;
 - idle spans end the open step and belong to no step (step -1);
 - GPU: one interval per step, from the first `gpu_begin` to the last `gpu_end` (CUDA events) or from
-  `gpu_span(start_ns, end_ns)` calls (a device whose times are known on the host clock).
+  `gpu_span(start_ns, end_ns)` calls (a device whose times are known on the host clock);
+- kernels: `kernel_span` / `kernel_spans` (any thread) record GPU kernels and copies whose times are on the
+  host clock, and `kernel_window` the host-time windows in which every kernel was recorded; the analyzer
+  gives each kernel to the step during which it was launched. `gpu_timing="kernels"|"sampled"` runs the CUPTI
+  collector (record/kernel_timing.py) that feeds them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from overshoot.record.scopes import (
 from overshoot.record.writer import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
+# events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
+# in windows of steps, spaced to keep the collector's cost within budget; off: no GPU timing.
+GPU_TIMINGS = ("events", "kernels", "sampled", "off")
 
 
 class Recorder:
@@ -70,6 +77,7 @@ class Recorder:
         "_step", "_next_step", "_step_start", "_step_wait", "_batch", "_tokens", "_phase", "_facts",
         "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
+        "_k_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
         "busy", "_wait_scopes", "_idle_scope",
     )
 
@@ -85,9 +93,13 @@ class Recorder:
         process_info: dict | None = None,
         cuda: bool = False,
         span_capacity: int | None = None,
+        gpu_timing: str = "events",
     ):
         if flush_steps < 1:
             raise ValueError("flush_steps must be >= 1")
+        if gpu_timing not in GPU_TIMINGS:
+            raise ValueError(f"gpu_timing must be one of {', '.join(GPU_TIMINGS)}, not {gpu_timing!r}")
+        self.gpu_timing = gpu_timing
         self.run_dir = Path(run_dir)
         self.engine = engine
         self.flush_steps = flush_steps
@@ -97,7 +109,8 @@ class Recorder:
         self._owner = threading.get_ident()
         self._nvtx = make_ranges(nvtx)
         self._nvtx_step = None
-        options = {"flush_steps": flush_steps, "flush_seconds": flush_seconds, "nvtx": self._nvtx is not None}
+        options = {"flush_steps": flush_steps, "flush_seconds": flush_seconds, "nvtx": self._nvtx is not None,
+                   "gpu_timing": gpu_timing}
         thread_name = threading.current_thread().name
         self._io = RecorderIO(
             self.run_dir, engine=engine, thread_name=thread_name, thread_tag=thread_tag or thread_name,
@@ -141,8 +154,14 @@ class Recorder:
         self._gpu_slot = -1  # CUDA ring slot of the open step
         self._gpu_ended = False
         self._gpu_detached = False  # the open CUDA slot began outside any step (a worker thread)
-        self._ring = None  # None: not tried yet; False: no CUDA
+        self._ring = False if gpu_timing == "off" else None  # None: not tried yet; False: no CUDA
         self.steps_recorded = 0
+        # Kernel records arrive from any thread (the CUPTI collector's, tests): a lock, off the hot path.
+        self._k_lock = threading.Lock()
+        self._k_batches: list[dict] = []
+        self._k_rows: list[tuple] = []
+        self._k_windows: list[tuple[int, int]] = []
+        self._sampler = None  # record/kernel_timing.KernelSampler, started with the CUDA ring
 
         self._flush_lock = threading.Lock()
         self._flushing_ident: int | None = None
@@ -167,6 +186,8 @@ class Recorder:
             t = self._boundary(t)
         step = self._step = self._next_step
         self._next_step = step + 1
+        if self._sampler is not None:  # kernel timing windows open and close at step boundaries
+            t = self._sampler.at_step(t, batch_size, phase)
         self._step_start = t
         self._step_wait = 0
         self._batch, self._tokens, self._phase = batch_size, num_tokens, phase
@@ -405,6 +426,39 @@ class Recorder:
             self._gpu_t0 = start_ns
         self._gpu_t1 = end_ns
 
+    def kernel_span(self, start_ns: int, end_ns: int, *, launch_ns: int | None = None, stream: int = 0,
+                    name: str = "", kind: str = "kernel", launch_end_ns: int | None = None,
+                    correlation: int = -1) -> None:
+        """One GPU kernel (or copy: kind="memcpy"/"memset") whose device times are on the host
+        perf_counter_ns clock; `launch_ns` .. `launch_end_ns` the host call that enqueued it. Any thread."""
+        with self._k_lock:
+            self._k_rows.append((kind, name, stream, correlation, launch_ns, launch_end_ns, start_ns, end_ns))
+
+    def kernel_spans(self, columns: dict) -> None:
+        """Many kernel_span rows at once: equal-length columns named as the kernels table (docs/schema.md);
+        gpu_start_ns and gpu_end_ns are required. The CUPTI collector's path: no Python per row."""
+        if len(columns["gpu_start_ns"]):
+            with self._k_lock:
+                self._k_batches.append(columns)
+
+    def kernel_window(self, start_ns: int, end_ns: int) -> None:
+        """Every kernel launched between these host times was recorded (kernel timing was on)."""
+        with self._k_lock:
+            self._k_windows.append((start_ns, end_ns))
+
+    def _take_kernels(self) -> tuple[list[dict], list[tuple[int, int]]]:
+        with self._k_lock:
+            batches, rows, windows = self._k_batches, self._k_rows, self._k_windows
+            self._k_batches, self._k_rows, self._k_windows = [], [], []
+        if rows:
+            names = ("kind", "name", "stream", "correlation", "launch_start_ns", "launch_end_ns",
+                     "gpu_start_ns", "gpu_end_ns")
+            columns = dict(zip(names, (list(c) for c in zip(*rows, strict=True)), strict=True))
+            for key in ("launch_start_ns", "launch_end_ns"):
+                columns[key] = [float("nan") if v is None else v for v in columns[key]]
+            batches.append(columns)
+        return batches, windows
+
     def _flush_detached(self) -> None:
         """A thread without steps has no boundaries to flush at: it flushes after a hooked call when its
         buffers fill up (~every 256 intervals), not on a timer, since each flush delays the step that waits
@@ -425,7 +479,21 @@ class Recorder:
             self._ring = False
             self._io.note_error(f"CUDA events disabled: {type(e).__name__}: {e}")
             return False
+        if self.gpu_timing in ("kernels", "sampled"):
+            self.start_kernel_timing()
         return True
+
+    def start_kernel_timing(self, collector=None) -> None:
+        """Start kernel timing (`gpu_timing` "kernels" or "sampled") with `collector` (default: CUPTI).
+        A collector that cannot start is noted in the process info; events still work."""
+        from overshoot.record.kernel_timing import KernelSampler, KernelTimingError, cupti_collector
+
+        try:
+            collector = collector or cupti_collector()
+            self._sampler = KernelSampler(self, collector, mode=self.gpu_timing)
+            self._io.info["kernel_timing"] = {"mode": self.gpu_timing, "collector": collector.describe()}
+        except KernelTimingError as e:
+            self._io.note_error(f"kernel timing off: {e}")
 
     # ---- flush / close ----
 
@@ -455,6 +523,9 @@ class Recorder:
         gpu_rows: tuple[list, list, list] = ([], [], [])
         if self._ring and not self._closed:
             (self._ring.drain if drain else self._ring.resolve)(*gpu_rows)
+        if drain and self._sampler is not None:
+            self._sampler.close()  # its last window and records land in this flush
+        kernels, windows = self._take_kernels()
         if not self._closed:
             self._io.write_chunk(
                 steps=(self._s_step[w_steps:n_steps], self._s_start[w_steps:n_steps],
@@ -466,6 +537,7 @@ class Recorder:
                        self._p_dur[w_spans:n_spans]),
                 gpu=(self._g_step[w_gpu:n_gpu] + gpu_rows[0], self._g_start[w_gpu:n_gpu] + gpu_rows[1],
                      self._g_end[w_gpu:n_gpu] + gpu_rows[2]),
+                kernels=kernels, windows=windows,
             )
         if owner:
             self._rewind(n_steps)
@@ -503,6 +575,8 @@ class Recorder:
             try:
                 self._flush_locked(owner=threading.get_ident() == self._owner, drain=drain)
                 self._closed = True
+                if self._sampler is not None:
+                    self._io.info["kernel_timing"] = self._sampler.info()
                 self._io.close(
                     reason=reason, steps=self.steps_recorded, gpu=self._ring.info() if self._ring else None
                 )

@@ -12,6 +12,8 @@ import pyarrow as pa
 
 from overshoot.rundir.spool import (
     GPU_SCHEMA,
+    KERNEL_WINDOWS_SCHEMA,
+    KERNELS_SCHEMA,
     SPANS_SCHEMA,
     STEPS_SCHEMA,
     SpoolWriter,
@@ -116,6 +118,36 @@ def _infer_type(values: list) -> pa.DataType:
 _CONVERTERS = {pa.bool_(): bool, pa.int64(): int, pa.float64(): float, pa.string(): str}
 
 
+def kernel_batch(columns: dict) -> pa.RecordBatch:
+    """A kernels record batch from equal-length columns named as KERNELS_SCHEMA (numpy arrays or lists).
+    Absent columns: kind "kernel", name "", stream 0, correlation -1, launch times null; a NaN launch time
+    is null. Built from buffers, without pandas (see column())."""
+    n = len(columns["gpu_start_ns"])
+    arrays = []
+    for f in KERNELS_SCHEMA:
+        values = columns.get(f.name)
+        if f.type == pa.string():
+            values = [("kernel" if f.name == "kind" else "")] * n if values is None else values
+            arrays.append(_string_column(list(values)))
+            continue
+        if values is None:
+            if f.name.startswith("launch"):
+                arrays.append(pa.nulls(n, pa.int64()))
+                continue
+            values = np.full(n, -1 if f.name == "correlation" else 0, np.int64)
+        data = np.asarray(values)
+        validity, nulls = None, 0
+        if data.dtype.kind == "f":
+            missing = np.isnan(data)
+            nulls = int(missing.sum())
+            if nulls:
+                validity = pa.py_buffer(np.packbits(~missing, bitorder="little"))
+            data = np.where(missing, 0, data)
+        data = np.ascontiguousarray(data, dtype=np.int64)
+        arrays.append(pa.Array.from_buffers(pa.int64(), n, [validity, pa.py_buffer(data)], null_count=nulls))
+    return pa.record_batch(arrays, schema=KERNELS_SCHEMA)
+
+
 class RecorderIO:
     """Files of one recorder: `{pid}-{tag}.json` (written at start, updated at close) and its Arrow chunks.
 
@@ -210,7 +242,8 @@ class RecorderIO:
         except OSError:
             pass
 
-    def write_chunk(self, *, steps: tuple, spans: tuple, gpu: tuple) -> None:
+    def write_chunk(self, *, steps: tuple, spans: tuple, gpu: tuple, kernels: list | None = None,
+                    windows: list | None = None) -> None:
         try:
             if steps[0]:
                 self.writer.write("steps", self._steps_batch(*steps))
@@ -221,6 +254,12 @@ class RecorderIO:
             if gpu[0]:
                 gpu_columns = [_ints(values) for values in gpu]
                 self.writer.write("gpu", pa.record_batch(gpu_columns, schema=GPU_SCHEMA))
+            for batch in kernels or ():
+                self.writer.write("kernels", kernel_batch(batch))
+            if windows:
+                starts, ends = zip(*windows, strict=True)
+                self.writer.write("kernel_windows", pa.record_batch(
+                    [_ints(list(starts)), _ints(list(ends))], schema=KERNEL_WINDOWS_SCHEMA))
             self.chunks += 1
         except (OSError, *BUILD_ERRORS) as e:
             self.write_errors += 1

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from overshoot.analysis.analyze import group_title, summarize
+from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, group_title, summarize
 from overshoot.analysis.whatif import WhatIf
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
@@ -20,13 +20,15 @@ def build_report(
     run,
     *,
     what_ifs: list[WhatIf] | None = None,
-    cpu_bound_ms: float = 0.02,
+    cpu_bound_ms: float = NEVER_WAITED_MS,
+    cpu_bound_share: float = CPU_BOUND_SHARE,
     warmup_steps: int = 0,
     mode: str | None = None,
 ) -> dict:
     what_ifs = list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)
     summary = summarize(
-        run, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps, mode=mode, what_ifs=what_ifs
+        run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share, warmup_steps=warmup_steps, mode=mode,
+        what_ifs=what_ifs,
     )
     groups = []
     for row in summary.groups.to_dict("records"):
@@ -42,6 +44,7 @@ def build_report(
         "mode": summary.mode.mode,
         "mode_source": summary.mode.source,
         "cpu_bound_ms": cpu_bound_ms,
+        "cpu_bound_share": cpu_bound_share,
         "warmup_steps": warmup_steps,
         "primary": {"pid": summary.primary[0], "thread": summary.primary[1]},
         "group_keys": summary.group_keys,
@@ -106,16 +109,30 @@ def _plain(value):
 
 
 def _pct(value, digits: int = 0) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}%"
+    if value is None:
+        return "n/a"
+    text = f"{value:.{digits}f}"
+    return (text[1:] if text.startswith("-") and float(text) == 0 else text) + "%"  # never "-0%"
 
 
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
-    """One line per group. Sync engines wait every step, so their CPU share leads, not the CPU-bound share."""
-    bound = f"{_pct(row['cpu_bound_pct'])} of steps CPU-bound"
-    share = f"CPU busy {_pct(row['cpu_share_pct'])} of the step"
-    parts = [share, bound] if mode == "sync" and row["cpu_share_pct"] is not None else [bound]
-    idle = row["gpu_idle_pct"]
-    parts.append("GPU idle n/a (no GPU times)" if idle is None else f"GPU idle {_pct(idle)}")
+    """One line per group: the verdict (GPU starved), the thread's view, GPU idle and where it was known."""
+    idle, inside = row["gpu_idle_pct"], row.get("gpu_idle_in_step_pct")
+    if row["cpu_bound_pct"] is None:
+        parts = ["CPU-bound unknown (no GPU times)"]
+    else:
+        parts = [f"{_pct(row['cpu_bound_pct'])} of steps CPU-bound"]
+    if mode == "sync" and row["cpu_share_pct"] is not None:
+        parts.insert(0, f"CPU busy {_pct(row['cpu_share_pct'])} of the step")
+    parts.append(f"the thread never waited in {_pct(row['thread_never_waited_pct'])}")
+    if idle is None:
+        parts.append("GPU idle n/a (no GPU times)")
+    elif inside is None:
+        parts.append(f"GPU idle {_pct(idle)} (between steps; inside them unknown: CUDA events only)")
+    else:
+        busy = row.get("gpu_busy_ms_median")
+        parts.append(f"GPU idle {_pct(idle)} ({_pct(inside)} inside steps, GPU busy {fmt_num(busy)} ms a "
+                     f"step, {row['gpu_timing']})")
     for w in what_ifs:
         change = row["what_if_pct"][w.label]
         if change is not None:
@@ -169,6 +186,9 @@ def render(report: dict, console: Console) -> None:
                       highlight=False)
     if report.get("hook_problems"):  # right under the table: these numbers lack what those hooks measure
         console.print(hooks_line(report["hook_problems"]), highlight=False, markup=False)
+    if any(g.get("gpu_busy_ms_median") is None and g["gpu_ms_median"] is not None for g in report["groups"]):
+        console.print("GPU ms*: the step's GPU interval (two CUDA events), gaps between kernels included; "
+                      "in step ?: GPU idle inside steps unknown without kernel timing", highlight=False)
     for g in report["groups"]:
         console.print(f"- {g['verdict']}", highlight=False)
     if report["client"]:
@@ -196,7 +216,7 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
         "GPU\nms",
         "CPU-\nbound",
         "GPU\nidle",
-        "CPU\nshare",
+        "in\nstep",
     ):
         table.add_column(name, justify="left" if name == "phase" else "right", no_wrap=True)
     drafts = any(g.get("spec_tokens_mean") for g in report["groups"])  # only for speculating engines
@@ -215,10 +235,11 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
             fmt_num(g["step_ms_p90"]),
             fmt_num(g["busy_ms_median"]),
             fmt_num(g["wait_ms_median"]),
-            fmt_num(g["gpu_ms_median"]),
+            _gpu_cell(g),
             _pct(g["cpu_bound_pct"]),
             _pct(g["gpu_idle_pct"]),
-            _pct(g["cpu_share_pct"]),
+            "?" if g.get("gpu_idle_in_step_pct") is None and g["gpu_idle_pct"] is not None
+            else _pct(g.get("gpu_idle_in_step_pct")),
         ]
         if drafts:
             cells += [fmt_num(g.get(key), ".1f") for key in ("spec_tokens_mean", "accepted_tokens_mean")]
@@ -228,6 +249,14 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
         ]
         table.add_row(*cells)
     return table
+
+
+def _gpu_cell(group: dict) -> str:
+    """GPU busy a step from kernel records; without them the CUDA-event interval, marked '*' (it holds the
+    gaps between kernels)."""
+    if group.get("gpu_busy_ms_median") is not None:
+        return fmt_num(group["gpu_busy_ms_median"])
+    return "-" if group["gpu_ms_median"] is None else fmt_num(group["gpu_ms_median"]) + "*"
 
 
 def _level_cell(group: dict) -> str:

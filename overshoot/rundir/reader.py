@@ -28,11 +28,15 @@ class Run:
     spans: pd.DataFrame
     gpu: pd.DataFrame
     client: pd.DataFrame | None = None
+    # Kernel timing (empty without it): one row per kernel/copy, and the windows in which all were recorded.
+    kernels: pd.DataFrame | None = None
+    kernel_windows: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return (
             f"Run({self.run_id!r}, steps={len(self.steps)}, spans={len(self.spans)}, gpu={len(self.gpu)}, "
+            f"kernels={0 if self.kernels is None else len(self.kernels)}, "
             f"processes={len(self.processes)}, warnings={len(self.warnings)})"
         )
 
@@ -99,7 +103,7 @@ def load_run(path: str | os.PathLike) -> Run:
     processes = _read_processes(spool_dir, warnings) if spool_dir.is_dir() else []
     frames: dict[str, pd.DataFrame] = {}
     try:
-        for table in ("steps", "spans", "gpu"):
+        for table in ("steps", "spans", "gpu", "kernels", "kernel_windows"):
             # One table at a time: its Arrow copy is freed before the next one is read (peak memory).
             frames[table] = _to_pandas(read_table(spool_dir, table, warnings))
     except (OSError, pa.ArrowException) as e:
@@ -122,6 +126,8 @@ def load_run(path: str | os.PathLike) -> Run:
         steps=frames["steps"],
         spans=frames["spans"],
         gpu=frames["gpu"],
+        kernels=frames["kernels"],
+        kernel_windows=frames["kernel_windows"],
         client=client,
         warnings=warnings,
     )

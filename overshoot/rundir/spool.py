@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-TABLES = ("steps", "spans", "gpu")
+TABLES = ("steps", "spans", "gpu", "kernels", "kernel_windows")
 
 STEPS_SCHEMA = pa.schema(
     [
@@ -44,10 +44,33 @@ SPANS_SCHEMA = pa.schema(
     ]
 )
 GPU_SCHEMA = pa.schema([("step", pa.int64()), ("gpu_start_ns", pa.int64()), ("gpu_end_ns", pa.int64())])
-BASE_SCHEMAS = {"steps": STEPS_SCHEMA, "spans": SPANS_SCHEMA, "gpu": GPU_SCHEMA}
+# One GPU kernel, copy or set, its times on the host perf_counter_ns clock (kernel timing, docs/schema.md).
+# launch_*: the host API call that enqueued it (null when unknown); correlation: the CUDA API call's id
+# (kernels of one graph launch share it; -1 when unknown).
+KERNELS_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),
+        ("name", pa.string()),
+        ("stream", pa.int64()),
+        ("correlation", pa.int64()),
+        ("launch_start_ns", pa.int64()),
+        ("launch_end_ns", pa.int64()),
+        ("gpu_start_ns", pa.int64()),
+        ("gpu_end_ns", pa.int64()),
+    ]
+)
+# Host-clock windows during which every kernel was recorded (sampled kernel timing records some of them).
+KERNEL_WINDOWS_SCHEMA = pa.schema([("start_ns", pa.int64()), ("end_ns", pa.int64())])
+BASE_SCHEMAS = {
+    "steps": STEPS_SCHEMA,
+    "spans": SPANS_SCHEMA,
+    "gpu": GPU_SCHEMA,
+    "kernels": KERNELS_SCHEMA,
+    "kernel_windows": KERNEL_WINDOWS_SCHEMA,
+}
 
 _CHUNK_NAME = re.compile(
-    r"^(?P<pid>\d+)-(?P<tag>[A-Za-z0-9_-]+)\.(?P<table>steps|spans|gpu)\.(?P<seg>\d{4,})\.arrow$"
+    r"^(?P<pid>\d+)-(?P<tag>[A-Za-z0-9_-]+)\.(?P<table>steps|spans|gpu|kernels|kernel_windows)\.(?P<seg>\d{4,})\.arrow$"
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

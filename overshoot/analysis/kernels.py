@@ -1,0 +1,233 @@
+"""Kernel records joined to steps: GPU busy inside each step, the idle gaps between its kernels, launch time,
+and the per-step terms the what-if replays kernel by kernel (docs/concepts.md, "GPU truth inside the step").
+
+A kernel belongs to the step during which the host launched it (its launch call's start; its GPU start when
+the launch is unknown), on the primary timeline. A step is instrumented when it lies inside a kernel-timing
+window (every kernel launched in it was recorded); a run with kernels but no windows is one window. Kernels
+of one step form one chain in launch order (several streams are serialised: an upper bound on their time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+# Launch-to-start latency assumed when no kernel started on an idle GPU (none to measure it from).
+DEFAULT_LATENCY_NS = 5_000.0
+
+
+@dataclass
+class StepKernels:
+    """Per step of the timeline (aligned arrays; NaN where the step is not instrumented)."""
+
+    instrumented: np.ndarray  # bool
+    kernels: np.ndarray  # count launched in the step
+    busy_ns: np.ndarray  # union of the step's kernel intervals
+    first_ns: np.ndarray  # first kernel start
+    last_ns: np.ndarray  # last kernel end
+    idle_before_ns: np.ndarray  # first start - end of all earlier kernels (NaN: previous step not recorded)
+    launch_ns: np.ndarray  # host time inside the launch calls (a graph launch counted once)
+    first_launch_ns: np.ndarray  # host time of the step's first launch
+    latency_ns: float  # median launch-to-start of kernels launched onto an idle stream
+    # Kernel chains for the replay: kernel rows of instrumented steps, grouped by step (contiguous).
+    chain_step: np.ndarray  # timeline row of each chained kernel
+    chain_offset: np.ndarray  # launch - the step's first launch (host ns)
+    chain_rest: np.ndarray  # duration of this kernel and every later one of the step (ns)
+    chain_total: np.ndarray  # per step: sum of kernel durations (NaN where not instrumented)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.instrumented.any())
+
+    def replay_terms(self, cpu_scale: float, gpu_scale: float) -> np.ndarray:
+        """Per step: K = max over its kernels of (cpu_scale x launch offset + latency + gpu_scale x the
+        remaining durations); the step's GPU work then ends at max(previous end + gpu_scale x total,
+        first launch' + K). NaN where not instrumented."""
+        out = np.full(len(self.instrumented), np.nan)
+        if len(self.chain_step) == 0:
+            return out
+        terms = cpu_scale * self.chain_offset + self.latency_ns + gpu_scale * self.chain_rest
+        heads = np.flatnonzero(np.diff(self.chain_step, prepend=-1))
+        out[self.chain_step[heads]] = np.maximum.reduceat(terms, heads)
+        return out
+
+
+def empty_kernels(n: int) -> StepKernels:
+    def nan() -> np.ndarray:  # one array per field: they are filled in place
+        return np.full(n, np.nan)
+
+    return StepKernels(np.zeros(n, bool), nan(), nan(), nan(), nan(), nan(), nan(), nan(), DEFAULT_LATENCY_NS,
+                       np.empty(0, "int64"), np.empty(0), np.empty(0), nan())
+
+
+def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
+                       has_kernels: bool) -> np.ndarray:
+    """Steps lying inside a kernel-timing window. No windows but kernels: the whole run was recorded."""
+    if windows is None or len(windows) == 0:
+        return np.full(len(start), has_kernels)
+    w = windows.sort_values("start_ns")
+    w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
+    i = np.searchsorted(w_start, start, side="right") - 1
+    ok = i >= 0
+    inside = np.zeros(len(start), bool)
+    inside[ok] = end[ok] <= w_end[i[ok]]
+    return inside
+
+
+def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
+                 windows: pd.DataFrame | None) -> StepKernels:
+    """Join a run's kernel rows to the steps of one timeline (rows ordered by start)."""
+    n = len(timeline)
+    if kernels is None or len(kernels) == 0 or n == 0:
+        return empty_kernels(n)
+    start = timeline["start_ns"].to_numpy("float64")
+    end = timeline["end_ns"].to_numpy("float64")
+    inst = instrumented_steps(start, end, windows, True)
+    g_start = kernels["gpu_start_ns"].to_numpy("float64")
+    g_end = kernels["gpu_end_ns"].to_numpy("float64")
+    l_start = kernels["launch_start_ns"].to_numpy("float64", na_value=np.nan)
+    l_end = kernels["launch_end_ns"].to_numpy("float64", na_value=np.nan)
+    key = np.where(np.isnan(l_start), g_start, l_start)
+    latency = launch_latency(kernels, g_start, g_end, l_start)
+    row = np.searchsorted(start, key, side="right") - 1
+    inside = (row >= 0) & (key < end[np.maximum(row, 0)])
+    inside &= inst[np.maximum(row, 0)]
+    out = empty_kernels(n)
+    out.instrumented = inst
+    out.latency_ns = latency
+    out.kernels = np.where(inst, 0.0, np.nan)
+    out.busy_ns = np.where(inst, 0.0, np.nan)
+    out.launch_ns = np.where(inst, 0.0, np.nan)
+    out.chain_total = np.where(inst, 0.0, np.nan)
+    if not inside.any():
+        return out
+    # Chain order: by step, then launch (a graph's kernels share theirs: then by GPU start).
+    pick = np.flatnonzero(inside)
+    order = pick[np.lexsort((g_start[pick], key[pick], row[pick]))]
+    r, s, e, k = row[order], g_start[order], g_end[order], key[order]
+    heads = np.flatnonzero(np.diff(r, prepend=-1))
+    steps_with = r[heads]
+    counts = np.diff(np.append(heads, len(r)))
+    out.kernels[steps_with] = counts
+    # Busy: union of the step's intervals, sorted by GPU start within the step.
+    by_start = np.lexsort((s, r))
+    rs, ss, es = r[by_start], s[by_start], e[by_start]
+    prev_max = pd.Series(es).groupby(rs).cummax().groupby(rs).shift(1).to_numpy("float64")
+    covered = np.maximum(es - np.fmax(ss, np.nan_to_num(prev_max, nan=-np.inf)), 0.0)
+    out.busy_ns[steps_with] = np.add.reduceat(covered, heads)
+    out.first_ns[steps_with] = np.minimum.reduceat(s, heads)
+    out.last_ns[steps_with] = np.maximum.reduceat(e, heads)
+    # Launch time: each launch call once (kernels of one graph launch share its correlation).
+    launch = pd.DataFrame({"row": r, "pid": kernels["pid"].to_numpy()[order],
+                           "corr": kernels["correlation"].to_numpy("float64", na_value=-1.0)[order],
+                           "dur": l_end[order] - k})
+    unique = launch[(launch["corr"] < 0) | ~launch.duplicated(["pid", "corr"])]
+    per_step = unique.groupby("row")["dur"].sum(min_count=1)
+    out.launch_ns[per_step.index.to_numpy()] = per_step.to_numpy()
+    out.first_launch_ns[steps_with] = k[heads]
+    # Idle before: the step's first start minus the end of every kernel that started before it.
+    all_order = np.argsort(g_start, kind="stable")
+    ends_before = np.maximum.accumulate(g_end[all_order])
+    j = np.searchsorted(g_start[all_order], out.first_ns[steps_with], side="left") - 1
+    prev_end = np.where(j >= 0, ends_before[np.maximum(j, 0)], np.nan)
+    recorded_before = np.zeros(len(steps_with), bool)
+    recorded_before[steps_with > 0] = inst[steps_with[steps_with > 0] - 1]
+    out.idle_before_ns[steps_with] = np.where(
+        recorded_before, np.maximum(out.first_ns[steps_with] - prev_end, 0.0), np.nan)
+    # Replay chains.
+    d = e - s
+    total = np.add.reduceat(d, heads)
+    out.chain_total[steps_with] = total
+    before = np.cumsum(d) - d - np.repeat(np.cumsum(d)[heads] - d[heads], counts)
+    out.chain_step = r.astype("int64")
+    out.chain_offset = k - np.repeat(k[heads], counts)
+    out.chain_rest = np.repeat(total, counts) - before
+    return out
+
+
+def launch_latency(kernels: pd.DataFrame, g_start: np.ndarray, g_end: np.ndarray,
+                   l_start: np.ndarray) -> float:
+    """Median launch-call start to GPU start of kernels whose stream was idle at their launch."""
+    stream = kernels["stream"].to_numpy("float64", na_value=0.0)
+    pid = kernels["pid"].to_numpy("float64")
+    order = np.lexsort((g_start, stream, pid))
+    s, e, ls = g_start[order], g_end[order], l_start[order]
+    same = (np.diff(stream[order], prepend=np.nan) == 0) & (np.diff(pid[order], prepend=np.nan) == 0)
+    prev_end = np.where(same, np.concatenate([[np.nan], e[:-1]]), -np.inf)
+    free = ~np.isnan(ls) & (prev_end <= ls)
+    samples = s[free] - ls[free]
+    samples = samples[samples >= 0]
+    return float(np.median(samples)) if len(samples) else DEFAULT_LATENCY_NS
+
+
+def primary_row(df: pd.DataFrame) -> int:
+    """A row of the primary timeline: the (pid, thread) with the most steps (ties: the earliest to start)."""
+    code = df["_timeline"].to_numpy()
+    _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
+    return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])
+
+
+def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_share: float) -> StepKernels:
+    """Add the kernel columns, the GPU idle share and both verdicts to the joined steps table `out` (every
+    timeline; kernels join the primary one). Returns the primary timeline's StepKernels (for the replay).
+
+    Per step, the GPU idle that decides the verdict comes from the best source it has (`gpu_timing`):
+    "kernels" (instrumented: idle before + the gaps between its kernels), "estimate" (a plain step of a group
+    with instrumented steps: its step time minus the group's mean GPU busy, since kernel times do not change
+    under instrumentation while step times do), "events" (the GPU idle before the step only: the gaps
+    inside it are unknown), or "none" (no GPU data: the verdict is unknown, never "CPU-bound").
+    """
+    n = len(out)
+    step_ms = out["step_ms"].to_numpy()
+    nan = np.full(n, np.nan)
+    code = out["_timeline"].to_numpy()
+    rows = np.flatnonzero(code == code[primary_row(out)]) if n else np.zeros(0, "int64")
+    sk = step_kernels(out.iloc[rows], getattr(run, "kernels", None), getattr(run, "kernel_windows", None))
+    inst = np.zeros(n, bool)
+    inst[rows] = sk.instrumented
+    cols = {name: nan.copy() for name in ("kernels", "gpu_busy_ms", "gpu_idle_in_step_ms", "launch_ms")}
+    cols["kernels"][rows] = sk.kernels
+    cols["gpu_busy_ms"][rows] = sk.busy_ns / 1e6
+    cols["gpu_idle_in_step_ms"][rows] = np.maximum(sk.last_ns - sk.first_ns - sk.busy_ns, 0.0) / 1e6
+    cols["gpu_idle_in_step_ms"][rows[sk.instrumented & (sk.kernels == 0)]] = 0.0
+    cols["launch_ms"][rows] = sk.launch_ns / 1e6
+    before = out["gpu_idle_before_ms"].to_numpy(dtype="float64").copy()
+    k_before = nan.copy()
+    k_before[rows] = sk.idle_before_ns / 1e6
+    before = np.where(np.isnan(k_before), before, k_before)
+    out["gpu_idle_before_ms"] = before
+    for name, values in cols.items():
+        out[name] = values
+    # The verdict's GPU idle, by source.
+    measured = inst & ~np.isnan(cols["gpu_busy_ms"])
+    idle = np.where(measured, np.nan_to_num(before) + np.nan_to_num(cols["gpu_idle_in_step_ms"]), np.nan)
+    source = np.where(measured, "kernels", "none").astype(object)
+    busy_est = _group_mean(out, np.where(measured, cols["gpu_busy_ms"], np.nan))
+    estimate = ~measured & ~np.isnan(busy_est)
+    idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
+    source[estimate] = "estimate"
+    events = ~measured & ~estimate & ~np.isnan(before)
+    idle[events] = before[events]
+    source[events] = "events"
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(step_ms > 0, idle / step_ms, np.nan)
+    out["gpu_idle_ms"] = idle
+    out["gpu_idle_share"] = share
+    out["gpu_timing"] = pd.Series(source, dtype="str")
+    verdict = pd.array(share > cpu_bound_share, dtype="boolean")
+    verdict[np.isnan(share)] = pd.NA
+    out["cpu_bound"] = verdict
+    out["thread_never_waited"] = out["wait_ms"].to_numpy() <= cpu_bound_ms
+    out["_gpu_busy_est_ms"] = busy_est
+    return sk
+
+
+def _group_mean(df: pd.DataFrame, values: np.ndarray) -> np.ndarray:
+    """Per row: the mean of `values` (NaN ignored) over its group (concurrency, phase, batch size)."""
+    keys = [k for k in ("concurrency", "phase", "batch_size") if k in df.columns]
+    if np.isnan(values).all():
+        return np.full(len(df), np.nan)
+    frame = df[keys].assign(_v=values)
+    return frame.groupby(keys, dropna=False, sort=False)["_v"].transform("mean").to_numpy(dtype="float64")

@@ -1,0 +1,179 @@
+"""Kernel timing: windows of steps in which a collector records every GPU kernel and copy (docs/concepts.md).
+
+Two CUDA events a step see the GPU interval, not the gaps between kernels inside it; kernel records do. The
+collector (CUPTI by default, record/cupti.py; anything with the `Collector` methods, e.g. a synthetic device)
+is switched on and off at step boundaries by the engine thread, which costs a call into the collector and
+nothing else. Its records are parsed and handed to `Recorder.kernel_spans` on a thread of its own, so the
+engine thread does no work per kernel. Each window is stored (`Recorder.kernel_window`) so the analyzer
+knows which steps were instrumented.
+
+Modes: "kernels" records every step (one window for the whole run). "sampled" records windows of
+`window_steps` steps and spaces them so that the measured slowdown inside windows, averaged over the run,
+stays within `budget` (the spacing adapts: a collector that slows eager steps 3x gets windows far apart, one
+that costs 3% gets them often); a window also opens early, after at least `min_gap` steps, the first time a
+(phase, batch size) is seen outside any window, so every group of a load sweep gets kernel data.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from overshoot.record.recorder import Recorder
+
+TIMING_LABEL = "overshoot:kernel-timing"
+
+
+class KernelTimingError(Exception):
+    """Kernel timing cannot run here; the message is one line meant for the user."""
+
+
+class Collector(Protocol):
+    def describe(self) -> dict: ...
+    def enable(self) -> None: ...  # engine thread, at a step boundary
+    def disable(self) -> None: ...  # engine thread, at a step boundary
+    def collect(self, *, final: bool = False) -> dict | None: ...  # kernels-table columns, host clock
+    def close(self) -> None: ...
+
+
+def cupti_collector() -> Collector:
+    """The default collector: CUPTI activity records through ctypes (record/cupti.py)."""
+    from overshoot.record.cupti import CuptiCollector
+
+    return CuptiCollector()
+
+
+class KernelSampler:
+    """Opens and closes collection windows at step boundaries; a drain thread feeds the recorder."""
+
+    def __init__(self, recorder: Recorder, collector: Collector, *, mode: str = "sampled",
+                 window_steps: int = 8, min_gap: int = 64, budget: float = 0.005,
+                 drain_seconds: float = 0.5):
+        if mode not in ("kernels", "sampled"):
+            raise ValueError(f"kernel timing mode must be kernels or sampled, not {mode!r}")
+        self.recorder = recorder
+        self.collector = collector
+        self.mode = mode
+        self.window_steps = window_steps
+        self.min_gap = min_gap
+        self.budget = budget
+        self.windows = 0
+        self.cost_ratio: float | None = None  # last measured slowdown of steps inside a window
+        self._on = False
+        self._window_start = 0
+        self._steps_in_window = 0
+        self._steps_since = 0  # steps since the last window closed
+        self._gap = min_gap
+        self._last_t = 0
+        self._plain = deque(maxlen=window_steps)  # durations of the last plain steps
+        self._inside: list[int] = []
+        self._seen: set[tuple] = set()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._drain_loop, args=(drain_seconds,),
+                                        name="overshoot-kernels", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ----
+
+    def at_step(self, t: int, batch_size: int | None, phase: str | None) -> int:
+        """Called by step_begin at `t`; returns the time the step starts (after any switch)."""
+        if self._last_t:
+            (self._inside.append if self._on else self._plain.append)(t - self._last_t)
+        self._last_t = t
+        if self._on:
+            self._steps_in_window += 1
+            self._seen.add((phase, batch_size))
+            if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
+                return t
+            return self._switch(t, on=False)
+        self._steps_since += 1
+        due = self._steps_since >= self._gap or (
+            self._steps_since >= self.min_gap and (phase, batch_size) not in self._seen)
+        if self.windows == 0 or due:
+            self._seen.add((phase, batch_size))
+            self._steps_in_window = 1
+            return self._switch(t, on=True)
+        return t
+
+    def _switch(self, t: int, *, on: bool) -> int:
+        try:
+            (self.collector.enable if on else self.collector.disable)()
+        except Exception as e:  # never take the engine down: stop timing kernels, say why
+            self._on = False
+            self.recorder._sampler = None
+            self.recorder._io.note_error(f"kernel timing stopped: {type(e).__name__}: {e}")
+            return perf_counter_ns()
+        t_after = perf_counter_ns()
+        if on:
+            self._window_start = t_after
+            self.windows += 1
+            self._inside = []
+        else:
+            self.recorder.kernel_window(self._window_start, t)
+            self._steps_since = 0
+            self._gap = self._next_gap()
+            self._wake.set()
+        self._on = on
+        self.recorder._emit_span(-1, "busy", TIMING_LABEL, t, t_after - t)
+        self._last_t = t_after
+        return t_after
+
+    def _next_gap(self) -> int:
+        """Plain steps before the next window: window x slowdown / budget, at least min_gap."""
+        inside = self._inside[1:]  # the first step after switching on carries the switch
+        if not inside or not self._plain:
+            return self.min_gap
+        plain = sum(self._plain) / len(self._plain)
+        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if plain > 0 else 0.0
+        self.cost_ratio = ratio
+        return max(self.min_gap, int(self.window_steps * ratio / self.budget))
+
+    # ---- drain thread ----
+
+    def _drain_loop(self, seconds: float) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(seconds)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self._deliver(final=False)
+
+    def _deliver(self, *, final: bool) -> None:
+        try:
+            columns = self.collector.collect(final=final)
+        except Exception as e:
+            self.recorder._io.note_error(f"kernel records lost: {type(e).__name__}: {e}")
+            return
+        if columns is not None:
+            self.recorder.kernel_spans(columns)
+
+    def close(self) -> None:
+        """Close the open window, deliver every outstanding record, stop the drain thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._on:
+            t = perf_counter_ns()
+            try:
+                self.collector.disable()
+            except Exception:
+                pass
+            self.recorder.kernel_window(self._window_start, t)
+            self._on = False
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        self._deliver(final=True)
+        try:
+            self.collector.close()
+        except Exception:
+            pass
+
+    def info(self) -> dict:
+        return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
+                "last_cost_ratio": self.cost_ratio, "collector": self.collector.describe()}

@@ -1,0 +1,128 @@
+"""GPU truth inside the step, on timelines whose answer is set (tests/run_factory.simulate_kernel_timeline):
+per-step GPU busy and idle from kernel records, the starvation verdict, sampled kernel timing, and the
+kernel-by-kernel what-if against an actual rerun with shorter kernels or less CPU work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from run_factory import simulate_kernel_timeline, simulate_timeline, write_kernel_run, write_run
+
+from overshoot.analysis.analyze import steps_table, summarize
+from overshoot.analysis.whatif import WhatIf
+from overshoot.rundir.reader import load_run
+
+GPU_FASTER, CPU_FASTER = WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)
+CASES = {
+    # eager and launch-bound: 20 launches of 20 us each enqueue 5 us kernels: the GPU idles ~85%
+    "launch-bound": dict(kernels=20, kernel_us=5.0, launch_us=20.0),
+    # one launch enqueues 2 ms of GPU work (a graph): the CPU waits
+    "gpu-bound": dict(kernels=20, kernel_us=100.0, launch_us=1.0, pre_ms=0.1, post_ms=0.05),
+    # CPU and GPU close: some steps each way
+    "mixed": dict(kernels=20, kernel_us=30.0, launch_us=25.0, pre_ms=0.1, post_ms=0.05),
+}
+
+
+def _run(tmp_path, name, **kwargs):
+    timeline = simulate_kernel_timeline(200, **kwargs)
+    return timeline, load_run(write_kernel_run(tmp_path / name, timeline))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_busy_idle_and_verdict_match_the_truth(tmp_path, case, mode):
+    truth, run = _run(tmp_path, f"{case}-{mode}", mode=mode, **CASES[case])
+    table = steps_table(run)
+    assert (table["gpu_timing"] == "kernels").all() and (table["kernels"] == 20).all()
+    assert np.allclose(table["gpu_busy_ms"], truth.busy_ms, atol=1e-6)
+    launch_ms = CASES[case]["launch_us"] * 20 / 1e3
+    assert np.allclose(table["launch_ms"], launch_ms, atol=1e-6)
+    error_pts = 100 * np.abs(table["gpu_idle_share"].to_numpy()[1:] - truth.idle_share[1:])
+    assert error_pts.max() < 2.0, error_pts.max()
+    expected = truth.idle_share[1:] > 0.05
+    assert (table["cpu_bound"].to_numpy()[1:].astype(bool) == expected).mean() > 0.98
+    group = summarize(run).groups.iloc[0]
+    true_idle = 100 * (truth.idle_share[1:] * truth.step_ms[1:]).sum() / truth.step_ms[1:].sum()
+    assert group["gpu_idle_pct"] == pytest.approx(true_idle, abs=2.0)
+    assert group["gpu_busy_ms_median"] == pytest.approx(np.median(truth.busy_ms), abs=1e-6)
+    assert group["gpu_idle_in_step_pct"] is not None and not np.isnan(group["gpu_idle_in_step_pct"])
+
+
+def test_launch_bound_steps_are_cpu_bound_although_events_show_a_busy_gpu(tmp_path):
+    """The product's old blind spot: the GPU interval spans the step, so events alone see ~no idle; kernel
+    records see the GPU ~85% idle, every step CPU-bound, and the report says so."""
+    truth, run = _run(tmp_path, "eager", mode="async", **CASES["launch-bound"])
+    group = summarize(run).groups.iloc[0]
+    assert group["cpu_bound_pct"] == pytest.approx(100.0, abs=1)
+    assert group["gpu_idle_pct"] > 80 and group["gpu_idle_in_step_pct"] > 30
+    events_only = load_run(write_run(tmp_path / "events", truth.frames))
+    blind = summarize(events_only).groups.iloc[0]
+    assert blind["gpu_idle_pct"] < group["gpu_idle_pct"] - 30 and pd.isna(blind["gpu_idle_in_step_pct"])
+    assert blind["gpu_timing"] == "events" and group["gpu_timing"] == "kernels"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_replay_matches_a_rerun(tmp_path, case, mode):
+    """What-if from the kernel timeline against an actual rerun: kernels 10% shorter, or the CPU's spans and
+    the gaps between launches 10% shorter; within 3% of the rerun's mean step."""
+    params = CASES[case]
+    truth, run = _run(tmp_path, "base", mode=mode, **params)
+    summary = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER])
+    assert "replay" in " ".join(summary.notes)
+    base = truth.step_ms.mean()
+    gpu = simulate_kernel_timeline(200, mode=mode, **{**params, "kernel_us": params["kernel_us"] * 0.9})
+    cpu_params = {**params, "launch_us": params["launch_us"] * 0.9,
+                  "pre_ms": params.get("pre_ms", 0.2) * 0.9, "post_ms": params.get("post_ms", 0.1) * 0.9}
+    cpu = simulate_kernel_timeline(200, mode=mode, **cpu_params)
+    group = summary.groups.iloc[0]
+    for label, rerun in ((GPU_FASTER.label, gpu), (CPU_FASTER.label, cpu)):
+        true_pct = 100 * (rerun.step_ms.mean() / base - 1)
+        assert group[f"whatif:{label}"] == pytest.approx(true_pct, abs=3.0), (label, true_pct)
+
+
+def test_sampled_kernel_timing_takes_busy_from_windows_and_step_times_from_plain_steps(tmp_path):
+    """Kernels recorded in windows of 10 steps out of 50. Plain steps get the verdict from their own step time
+    and the group's GPU busy; inside-idle stays unknown (null) for them; the group says 'sampled'."""
+    truth = simulate_kernel_timeline(200, mode="async", **CASES["launch-bound"])
+    starts = truth.frames.steps["start_ns"].to_numpy()
+    ends = truth.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[i]), int(ends[i + 9])) for i in range(5, 200 - 10, 50)]
+    run = load_run(write_kernel_run(tmp_path / "sampled", truth, windows=windows))
+    table = steps_table(run)
+    inside = table["gpu_timing"] == "kernels"
+    assert inside.sum() == 10 * len(windows)
+    plain = table[~inside]
+    assert plain["gpu_busy_ms"].isna().all() and plain["gpu_idle_in_step_ms"].isna().all()
+    assert (table.loc[~inside, "gpu_timing"].iloc[1:] == "estimate").all()
+    group = summarize(run, what_ifs=[CPU_FASTER]).groups.iloc[0]
+    assert group["gpu_timing"] == "sampled" and group["kernel_steps"] == 10 * len(windows)
+    true_idle = 100 * (truth.idle_share[1:] * truth.step_ms[1:]).sum() / truth.step_ms[1:].sum()
+    assert group["gpu_idle_pct"] == pytest.approx(true_idle, abs=2.0)
+    assert group["cpu_bound_pct"] > 98
+    rerun = simulate_kernel_timeline(200, mode="async", **{**CASES["launch-bound"], "launch_us": 18.0,
+                                                           "pre_ms": 0.18, "post_ms": 0.09})
+    assert group["whatif:cpu-10%"] == pytest.approx(100 * (rerun.step_ms.mean() / truth.step_ms.mean() - 1),
+                                                    abs=3.0)
+
+
+def test_no_gpu_data_means_an_unknown_verdict_not_cpu_bound(tmp_path):
+    frames = simulate_timeline(50, mode="async", cpu_ms=1.0, gpu_ms=0.5)
+    frames.gpu = frames.gpu.iloc[:0]
+    summary = summarize(load_run(write_run(tmp_path / "cpu", frames)), what_ifs=[CPU_FASTER])
+    group = summary.groups.iloc[0]
+    assert pd.isna(group["cpu_bound_pct"]) and pd.isna(group["gpu_idle_pct"])
+    assert group["gpu_timing"] == "none"
+    assert group["thread_never_waited_pct"] > 90
+    # async without GPU times: steps that never waited are limited by the CPU, so a faster CPU shows a gain
+    # (an upper bound, as the note says)
+    assert group["whatif:cpu-10%"] < -5
+
+
+def test_steps_without_a_batch_are_not_a_group(tmp_path):
+    frames = simulate_timeline(60, mode="sync")
+    frames.steps.loc[::3, "batch_size"] = 0
+    summary = summarize(load_run(write_run(tmp_path / "empty", frames)), what_ifs=[GPU_FASTER])
+    assert summary.groups["batch_size"].tolist() == [1]
+    assert any("20 steps with no batch" in note for note in summary.notes)
