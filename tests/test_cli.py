@@ -340,7 +340,8 @@ def test_report_prints_disabled_and_failed_hooks_under_the_table(tmp_path, capsy
         "Engine.schedule_v2; engine:Engine.schedule (busy) failed: facts disabled: KeyError: 'num_seqs'"
     )
     # right under the table's last row, before the verdicts
-    assert lines[at - 1].startswith("decode") and lines[at + 1].startswith("- decode @ batch 1")
+    assert lines[at - 1].startswith("decode") and lines[at + 1].startswith("GPU ms*")
+    assert lines[at + 2].startswith("- decode @ batch 1")
 
     result = overshoot("report", run)
     assert result.returncode == 0, result.stderr
