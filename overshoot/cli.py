@@ -114,8 +114,13 @@ def report(
             help="Projection to show, e.g. gpu=-10% or cpu=-10% (repeatable; default both at -10%).",
         ),
     ] = None,
+    cpu_bound_share: Annotated[
+        str, typer.Option(help="A step is CPU-bound when the GPU idled, waiting for the CPU, for more than "
+                          "this share of it (e.g. 5%).")
+    ] = "5%",
     cpu_bound_ms: Annotated[
-        float, typer.Option(help="A step whose wait is at most this many ms is CPU-bound.", min=0.0)
+        float, typer.Option(help="thread_never_waited: the thread waited at most this many ms in the step.",
+                            min=0.0)
     ] = 0.02,
     warmup: Annotated[int, typer.Option(help="Skip the first N steps of each timeline/level.", min=0)] = 0,
     compare: Annotated[
@@ -142,7 +147,8 @@ def report(
     from overshoot.report import compare as cmp
     from overshoot.report import table as rep
 
-    options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "mode": mode}
+    options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms, "cpu_bound_share": _share(cpu_bound_share),
+               "warmup_steps": warmup, "mode": mode}
     first = rep.build_report(_load(run), **options)
     console = Console()
     if compare is None:
@@ -172,7 +178,7 @@ def export(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="File to write.")],
     what: Annotated[
-        str, typer.Option(help="Table: steps, spans or gpu (chrome always holds all three).")
+        str, typer.Option(help="Table: steps, spans, gpu or kernels (chrome always holds all of them).")
     ] = "steps",
     format: Annotated[
         str | None,
@@ -180,8 +186,11 @@ def export(
             "--format", help="parquet, csv or chrome (default: from the file suffix, else parquet)."
         ),
     ] = None,
+    cpu_bound_share: Annotated[
+        str, typer.Option(help="CPU-bound: the GPU idled more than this share of the step (e.g. 5%).")
+    ] = "5%",
     cpu_bound_ms: Annotated[
-        float, typer.Option(help="CPU-bound threshold for the steps table.", min=0.0)
+        float, typer.Option(help="thread_never_waited threshold for the steps table.", min=0.0)
     ] = 0.02,
     warmup: Annotated[int, typer.Option(help="Skip the first N steps of each timeline/level.", min=0)] = 0,
 ) -> None:
@@ -196,12 +205,24 @@ def export(
     loaded = _load(run)
     try:
         fmt, count = write_export(
-            loaded, output, what=what, fmt=format, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup
+            loaded, output, what=what, fmt=format, cpu_bound_ms=cpu_bound_ms,
+            cpu_bound_share=_share(cpu_bound_share), warmup_steps=warmup,
         )
     except ExportError as e:
         raise CliError(str(e)) from None
     unit = "events" if fmt == "chrome" else "rows"
     print(f"wrote {output} ({fmt}, {count} {unit})", file=sys.stderr)
+
+
+def _share(text: str) -> float:
+    """'5%' or '5' -> 0.05 (a share is always in percent; a bare number is read as percent too)."""
+    try:
+        value = float(text.strip().rstrip("%"))
+    except ValueError:
+        raise CliError(f"bad --cpu-bound-share {text!r}: expected a percentage such as 5%") from None
+    if not 0 <= value < 100:
+        raise CliError(f"bad --cpu-bound-share {text!r}: must be from 0% to below 100%")
+    return value / 100
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,20 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_from_args(args: argparse.Namespace):
+    """The engine's Config from parsed serve arguments (benchmarks build engines the way serve does)."""
+    from reference_engine.config import Config
+
+    return Config(
+        preset=args.preset, model=args.model, max_model_len=args.max_model_len, device=args.device,
+        graph=args.graph, kernels=args.kernels, async_scheduling=args.async_scheduling,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
+        seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens, drafter=args.drafter,
+        one_launch_layers=args.one_launch_layers,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     prog = "python -m reference_engine serve"
     try:
-        from reference_engine.config import Config
-
-        config = Config(
-            preset=args.preset, model=args.model, max_model_len=args.max_model_len, device=args.device,
-            graph=args.graph, kernels=args.kernels, async_scheduling=args.async_scheduling,
-            max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
-            seed=args.seed, queue_limit=args.queue_limit, spec_tokens=args.spec_tokens, drafter=args.drafter,
-            one_launch_layers=args.one_launch_layers,
-        )
+        config = config_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -40,10 +40,19 @@ class Collector(Protocol):
 
 
 def cupti_collector() -> Collector:
-    """The default collector: CUPTI activity records through ctypes (record/cupti.py)."""
+    """The default collector: CUPTI activity records through a small native shim (record/cupti/)."""
     from overshoot.record.cupti import CuptiCollector
 
     return CuptiCollector()
+
+
+def unavailable_reason(*, cuda: bool) -> str | None:
+    """Why kernel timing (CUPTI) cannot run here, in one line; None when it can."""
+    if not cuda:
+        return "needs a CUDA GPU and none was found; use --gpu-timing events (or off)"
+    from overshoot.record.cupti import unavailable_reason as cupti_reason
+
+    return cupti_reason(cuda=True)
 
 
 class KernelSampler:

@@ -93,10 +93,12 @@ class Recorder:
         process_info: dict | None = None,
         cuda: bool = False,
         span_capacity: int | None = None,
-        gpu_timing: str = "events",
+        gpu_timing: str | None = None,
     ):
         if flush_steps < 1:
             raise ValueError("flush_steps must be >= 1")
+        # None: env OVERSHOOT_GPU_TIMING (set by `overshoot run --gpu-timing`), else "events".
+        gpu_timing = gpu_timing or os.environ.get("OVERSHOOT_GPU_TIMING") or "events"
         if gpu_timing not in GPU_TIMINGS:
             raise ValueError(f"gpu_timing must be one of {', '.join(GPU_TIMINGS)}, not {gpu_timing!r}")
         self.gpu_timing = gpu_timing

@@ -61,6 +61,19 @@ def async_scheduling_of(command: list[str]) -> bool | None:
     return None
 
 
+def check_gpu_timing(mode: str) -> None:
+    """Refuse, in one line and before any server starts, a GPU timing this machine cannot give."""
+    from overshoot.record.kernel_timing import unavailable_reason
+    from overshoot.record.recorder import GPU_TIMINGS
+
+    if mode not in GPU_TIMINGS:
+        raise RunFailed(f"--gpu-timing: unknown mode {mode!r}; choose one of {', '.join(GPU_TIMINGS)}", 2)
+    if mode in ("kernels", "sampled"):
+        reason = unavailable_reason(cuda=launch.cuda_present())
+        if reason:
+            raise RunFailed(f"--gpu-timing {mode}: {reason}", 2)
+
+
 def parse_concurrency(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(int(part) for part in text.split(",") if part.strip())
@@ -96,6 +109,9 @@ def run(
     hooks: Annotated[list[str] | None, typer.Option(
         help="Extra hook spec, MODULE:ATTR or FILE.py:ATTR (repeatable).", show_default=False)] = None,
     stop_timeout: Annotated[float, typer.Option(min=0, help="Seconds between SIGTERM and SIGKILL.")] = 15.0,
+    gpu_timing: Annotated[str, typer.Option(
+        help="GPU timing in the server: events (two CUDA events a step), kernels (every kernel, CUPTI), "
+             "sampled (kernels in windows of steps, within a cost budget) or off.")] = "events",
 ) -> None:
     """Start a server with overshoot's hooks, drive a concurrency sweep, stop it and print the report.
 
@@ -107,7 +123,7 @@ def run(
         command=list(command or []), concurrency=concurrency, max_tokens=max_tokens,
         prompt_tokens=prompt_tokens, requests=requests, duration=duration, warmup=warmup, port=port, out=out,
         ready_timeout=ready_timeout, model=model, engine=engine, hooks=list(hooks or []),
-        stop_timeout=stop_timeout,
+        stop_timeout=stop_timeout, gpu_timing=gpu_timing,
     )
     # fmt: on
     try:
@@ -136,11 +152,13 @@ class RunOptions:
     engine: str | None = None
     hooks: list[str] = field(default_factory=list)
     stop_timeout: float = 15.0
+    gpu_timing: str = "events"
 
 
 def execute(o: RunOptions) -> int:
     """The whole run; raises RunFailed (message, exit code) after leaving a readable run dir."""
     levels = parse_concurrency(o.concurrency)
+    check_gpu_timing(o.gpu_timing)
     run_dir = o.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunFailed(f"{run_dir} already exists; choose another --out", 2)
@@ -180,6 +198,7 @@ def execute(o: RunOptions) -> int:
     console.print(header, highlight=False, markup=False, soft_wrap=True)
     # Every known spec is installed lazily (on import of its engine) unless --engine narrows the choice.
     env = launch.hooked_env(run_dir, engine=o.engine, extra_specs=extra_specs, embedded=embedded)
+    env["OVERSHOOT_GPU_TIMING"] = o.gpu_timing
     results = LoadResults()
     server: Server | None = None
     status, code, failure = "failed", 1, None

@@ -1,0 +1,302 @@
+"""GPU truth inside the step, proven against set durations and an independent kernel timeline (issue 21).
+
+    python benchmarks/gpu_truth.py synthetic [--steps 300] [--out DIR]     # needs CUDA
+    python benchmarks/gpu_truth.py engine --flags="--graph eager --kernels torch" [--batch 1]   # one config
+
+synthetic: an engine loop whose GPU work is `torch.cuda._sleep` kernels of set durations and whose CPU work is
+busy-spins of set lengths between the launches, sync (each step waits for its own work) and async (for the
+previous step's), from launch-bound to GPU-bound. Recorded through the Recorder with kernel timing (CUPTI);
+overshoot's per-step GPU busy, idle share and CPU-bound share are compared with (a) the settings and (b)
+torch.profiler's kernel timeline of the same loop in a separate process (one CUPTI client per process). The
+what-ifs are compared with actual reruns with kernels 10% shorter and with the CPU's spins 10% shorter.
+
+engine: the reference engine in-process, greedy decode at a fixed batch: median decode step of plain steps
+(no instrumentation) and torch.profiler's kernel busy time per decode step (union of kernel/copy intervals
+over the profiled generation / its decode steps), hence the GPU idle share 1 - busy / step. This is the
+independent measurement case_study_table.py prints beside overshoot's figures. Prints JSON on stdout.
+
+Prints a table last; writes gpu_truth.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+# name: kernels a step, kernel us, CPU spin us between launches, CPU us before the launches, after the wait
+CASES = {
+    "launch-bound": dict(kernels=40, kernel_us=5.0, gap_us=25.0, pre_us=150.0, post_us=100.0),
+    "mixed": dict(kernels=40, kernel_us=25.0, gap_us=20.0, pre_us=100.0, post_us=50.0),
+    "gpu-bound": dict(kernels=40, kernel_us=60.0, gap_us=2.0, pre_us=100.0, post_us=50.0),
+}
+
+
+def spin(us: float) -> None:
+    end = time.perf_counter_ns() + int(us * 1e3)
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def cycles_per_us() -> float:
+    """torch.cuda._sleep cycles per microsecond on this GPU (events around a long sleep)."""
+    import torch
+
+    torch.cuda._sleep(1_000_000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rates = []
+    for _ in range(5):
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        rates.append(10_000_000 / (start.elapsed_time(end) * 1e3))
+    return statistics.median(rates)
+
+
+def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, gap_us: float, pre_us: float,
+                post_us: float, cycles: float, profiler=None) -> None:
+    """The synthetic engine. `rec` may be None (plain); `profiler` steps once per step when given."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    sleep_cycles = int(kernel_us * cycles)
+    pending = None
+    for _ in range(steps):
+        if rec:
+            rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+            rec.busy_begin("schedule")
+        spin(pre_us)
+        if rec:
+            rec.busy_end()
+            rec.gpu_begin(stream)
+            rec.busy_begin("launch")
+        for _ in range(kernels):
+            torch.cuda._sleep(sleep_cycles)
+            spin(gap_us)
+        done = torch.cuda.Event()
+        done.record(stream)
+        if rec:
+            rec.busy_end()
+            rec.gpu_end(stream)
+        awaited = done if mode == "sync" else pending
+        pending = done
+        if awaited is not None:
+            if rec:
+                rec.wait_begin("gpu")
+            awaited.synchronize()
+            if rec:
+                rec.wait_end()
+        if rec:
+            rec.busy_begin("update")
+        spin(post_us)
+        if rec:
+            rec.busy_end()
+        if profiler is not None:
+            profiler.step()
+    if pending is not None:
+        pending.synchronize()
+    if rec:
+        rec.step_end()
+
+
+def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str, scale_gpu: float = 1.0,
+             scale_cpu: float = 1.0) -> dict:
+    """One recorded run; overshoot's figures for its steps (the first 20 dropped as warm-up)."""
+    from overshoot import Recorder
+    from overshoot.analysis.analyze import summarize
+    from overshoot.analysis.whatif import WhatIf
+    from overshoot.rundir.reader import load_run
+
+    p = CASES[case]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-truth-{case}-{mode}-"))
+    rec = Recorder(run_dir, engine=f"synthetic-{mode}", gpu_timing=gpu_timing, cuda=True)
+    engine_loop(rec, mode=mode, steps=args.steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * scale_gpu,
+                gap_us=p["gap_us"] * scale_cpu, pre_us=p["pre_us"] * scale_cpu,
+                post_us=p["post_us"] * scale_cpu, cycles=cycles)
+    rec.close()
+    run = load_run(run_dir)
+    what_ifs = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
+    summary = summarize(run, warmup_steps=20, mode=mode, what_ifs=what_ifs)
+    g = summary.groups.iloc[0]
+    steps = summary.steps
+    return {
+        "step_ms": float(steps["step_ms"].mean()),
+        "step_ms_median": float(g["step_ms_median"]),
+        "gpu_busy_ms": float(g["gpu_busy_ms_median"]) if g["gpu_busy_ms_median"] == g["gpu_busy_ms_median"]
+        else None,
+        "gpu_idle_pct": float(g["gpu_idle_pct"]),
+        "gpu_idle_in_step_pct": None if g["gpu_idle_in_step_pct"] != g["gpu_idle_in_step_pct"]
+        else float(g["gpu_idle_in_step_pct"]),
+        "cpu_bound_pct": float(g["cpu_bound_pct"]),
+        "thread_never_waited_pct": float(g["thread_never_waited_pct"]),
+        "whatif_gpu_pct": float(g["whatif:gpu-10%"]),
+        "whatif_cpu_pct": float(g["whatif:cpu-10%"]),
+        "kernel_steps": int(g["kernel_steps"]),
+        "steps": int(g["steps"]),
+        # truth from the settings, per step of this run: the set kernel time over its own step time
+        "set_idle_pct": 100 * (1 - p["kernels"] * p["kernel_us"] * scale_gpu / 1e3 / steps["step_ms"]).mean(),
+        "set_cpu_bound_pct": 100 * float(
+            ((1 - p["kernels"] * p["kernel_us"] * scale_gpu / 1e3 / steps["step_ms"]) > 0.05).mean()),
+    }
+
+
+def profiled(case: str, mode: str, steps: int, cycles: float) -> dict:
+    """torch.profiler (CUDA activity) over the same loop, run in a fresh process: kernel busy per step."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
+        "from benchmarks.gpu_truth import _profile_main; "
+        f"print(json.dumps(_profile_main({case!r}, {mode!r}, {steps}, {cycles!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _kernel_busy_ms(prof) -> float:
+    """Union of the profiled kernels', copies' and sets' device intervals, in ms."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy / 1e3  # FunctionEvent times are in us
+
+
+def _profile_main(case: str, mode: str, steps: int, cycles: float) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    p = CASES[case]
+    kwargs = dict(mode=mode, kernels=p["kernels"], kernel_us=p["kernel_us"], gap_us=p["gap_us"],
+                  pre_us=p["pre_us"], post_us=p["post_us"], cycles=cycles)
+    engine_loop(None, steps=20, **kwargs)  # warm-up
+    t0 = time.perf_counter()
+    engine_loop(None, steps=steps, **kwargs)
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine_loop(None, steps=steps, **kwargs)
+        torch.cuda.synchronize()
+    busy = _kernel_busy_ms(prof) / steps
+    return {"plain_step_ms": plain_ms, "profiler_busy_ms": busy,
+            "profiler_idle_pct": 100 * (1 - busy / plain_ms)}
+
+
+def synthetic(args) -> list[dict]:
+    cycles = cycles_per_us()
+    rows = []
+    for case in CASES:
+        for mode in ("sync", "async"):
+            base = recorded(case, mode, args, cycles, gpu_timing="kernels")
+            gpu = recorded(case, mode, args, cycles, gpu_timing="events", scale_gpu=0.9)
+            cpu = recorded(case, mode, args, cycles, gpu_timing="events", scale_cpu=0.9)
+            plain = recorded(case, mode, args, cycles, gpu_timing="events")
+            sampled = recorded(case, mode, args, cycles, gpu_timing="sampled")
+            prof = profiled(case, mode, args.steps, cycles)
+            rows.append({
+                "case": case, "mode": mode, "base": base, "sampled": sampled, "plain": plain,
+                "profiler": prof,
+                "rerun_gpu_pct": 100 * (gpu["step_ms"] / plain["step_ms"] - 1),
+                "rerun_cpu_pct": 100 * (cpu["step_ms"] / plain["step_ms"] - 1),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_synthetic(rows: list[dict]) -> None:
+    print("\nGPU idle % (kernels mode | sampled | set | torch.profiler), CPU-bound % (overshoot | set), "
+          "what-if % (projected vs rerun)")
+    head = (f"{'case':13} {'mode':5} {'step ms':>7} {'idle k':>6} {'idle s':>6} {'set':>5} {'prof':>5} "
+            f"{'bound':>5} {'set':>5} {'gpu-10 proj/rerun':>17} {'cpu-10 proj/rerun':>17}")
+    print(head)
+    for r in rows:
+        b, s, prof = r["base"], r["sampled"], r["profiler"]
+        print(f"{r['case']:13} {r['mode']:5} {b['step_ms_median']:7.3f} {b['gpu_idle_pct']:6.1f} "
+              f"{s['gpu_idle_pct']:6.1f} {b['set_idle_pct']:5.1f} {prof['profiler_idle_pct']:5.1f} "
+              f"{b['cpu_bound_pct']:5.0f} {b['set_cpu_bound_pct']:5.0f} "
+              f"{b['whatif_gpu_pct']:+8.1f}/{r['rerun_gpu_pct']:+7.1f} {b['whatif_cpu_pct']:+8.1f}/"
+              f"{r['rerun_cpu_pct']:+7.1f}")
+
+
+def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,
+                 rounds: int) -> dict:
+    """Plain decode step time and torch.profiler's kernel busy per decode step of the reference engine."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from reference_engine.__main__ import build_parser, config_from_args
+    from reference_engine.engine import Engine, SamplingParams
+
+    engine = Engine(config_from_args(build_parser().parse_args(["serve", "--preset", preset, *flags])))
+    prompts = [[(17 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine.generate(prompts, params)  # warm-up, graph capture
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3 / tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    busy = _kernel_busy_ms(prof) / tokens  # a decode step a token (the prefill's small share: see "note")
+    step = statistics.median(times)
+    return {"plain_ms_per_token": step, "profiler_busy_ms_per_token": busy,
+            "profiler_idle_pct": 100 * (1 - busy / step),
+            "note": "per token: prefill included, decode dominates"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("synthetic")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    e = sub.add_parser("engine")
+    e.add_argument("--flags", default="--graph eager --kernels torch")
+    e.add_argument("--preset", default="qwen3-4b")
+    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("--tokens", type=int, default=64)
+    e.add_argument("--prompt-len", type=int, default=128)
+    e.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_truth.py needs torch with CUDA", file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print("gpu_truth.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if args.what == "engine":
+        print(json.dumps(engine_truth(args.flags.split(), preset=args.preset, batch=args.batch,
+                                      tokens=args.tokens, prompt_len=args.prompt_len, rounds=args.rounds)))
+        return 0
+    rows = synthetic(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_truth.json").write_text(json.dumps(rows, indent=2))
+    print_synthetic(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Kernel timing windows through the real Recorder and KernelSampler, fed by a device whose kernels are known
+on the host clock (a virtual collector: it records kernels only while enabled, as CUPTI does). The GPU path
+itself (record/cupti) is proven on the H200 by benchmarks/gpu_truth.py and benchmarks/cupti_probe.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from time import perf_counter_ns
+
+import numpy as np
+from synthetic_engine import spin
+
+from overshoot import Recorder
+from overshoot.analysis.analyze import steps_table, summarize
+from overshoot.record.kernel_timing import KernelSampler
+from overshoot.rundir.reader import load_run
+
+KERNELS, KERNEL_NS, LAUNCH_NS = 4, 20_000, 30_000
+
+
+class VirtualCollector:
+    def __init__(self):
+        self.on = False
+        self.rows: list[tuple[int, int, int, int]] = []
+        self.enables = self.closed = 0
+
+    def describe(self) -> dict:
+        return {"backend": "virtual"}
+
+    def enable(self) -> None:
+        self.on = True
+        self.enables += 1
+
+    def disable(self) -> None:
+        self.on = False
+
+    def launch(self, gpu_free: int) -> int:
+        """A launch call of LAUNCH_NS enqueueing one kernel; returns the device's next free time."""
+        t = perf_counter_ns()
+        start = max(t + 2_000, gpu_free)
+        spin(LAUNCH_NS)
+        if self.on:
+            self.rows.append((t, t + LAUNCH_NS, start, start + KERNEL_NS))
+        return start + KERNEL_NS
+
+    def collect(self, *, final: bool = False) -> dict | None:
+        rows, self.rows = self.rows, []
+        if not rows:
+            return None
+        launch, launch_end, start, end = (np.array(c, dtype="int64") for c in zip(*rows, strict=True))
+        return {"launch_start_ns": launch.astype("float64"), "launch_end_ns": launch_end.astype("float64"),
+                "gpu_start_ns": start, "gpu_end_ns": end, "name": ["k"] * len(rows),
+                "stream": np.full(len(rows), 7)}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = None):
+    rec = Recorder(tmp_path / mode, engine="virtual", gpu_timing=mode)
+    collector = VirtualCollector()
+    rec._sampler = KernelSampler(rec, collector, mode=mode, window_steps=8, min_gap=32, drain_seconds=0.05)
+    gpu_free = 0
+    for i in range(steps):
+        batch = 2 if switch_batch_at is not None and i >= switch_batch_at else 1
+        rec.step_begin(batch_size=batch, num_tokens=batch, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+    rec.close()
+    return collector, load_run(tmp_path / mode)
+
+
+def test_kernels_mode_records_every_step(tmp_path):
+    collector, run = _run(tmp_path, "kernels", steps=60)
+    assert collector.enables == 1 and collector.closed == 1
+    assert len(run.kernel_windows) == 1 and len(run.kernels) == KERNELS * 60
+    table = steps_table(run)
+    assert (table["gpu_timing"] == "kernels").all() and (table["kernels"] == KERNELS).all()
+    assert np.allclose(table["gpu_busy_ms"], KERNELS * KERNEL_NS / 1e6)
+    assert np.allclose(table["launch_ms"], KERNELS * LAUNCH_NS / 1e6)
+    # launch-bound: 4 kernels of 20 us in ~120 us of launching
+    assert summarize(run).groups.iloc[0]["cpu_bound_pct"] > 95
+
+
+def test_sampled_mode_opens_windows_and_a_new_group_gets_one(tmp_path):
+    collector, run = _run(tmp_path, "sampled", steps=200, switch_batch_at=150)
+    windows = run.kernel_windows.sort_values("start_ns")
+    assert len(windows) >= 4 and collector.enables == len(windows)
+    table = steps_table(run)
+    inside = table["gpu_timing"] == "kernels"
+    assert inside.sum() == 8 * len(windows)
+    # every kernel recorded was launched in an instrumented step; none outside the windows
+    launch = run.kernels["launch_start_ns"].to_numpy(dtype="float64")
+    in_window = np.zeros(len(launch), bool)
+    for lo, hi in windows[["start_ns", "end_ns"]].itertuples(index=False):
+        in_window |= (launch >= lo) & (launch < hi)
+    assert in_window.all() and len(launch) == KERNELS * inside.sum()
+    # the batch-2 group (from step 150) got a window of its own, though the spacing alone would not give one
+    groups = summarize(run).groups.set_index("batch_size")
+    assert groups.loc[2, "gpu_timing"] == "sampled" and groups.loc[1, "gpu_timing"] == "sampled"
+    assert (table.loc[~inside, "gpu_timing"].iloc[1:] == "estimate").all()
+
+
+def test_kernel_timing_without_cuda_is_refused_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "overshoot", "run", "--gpu-timing", "kernels", "--out", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "overshoot run: error: --gpu-timing kernels: needs a CUDA GPU and none was found; use --gpu-timing "
+        "events (or off)"
+    ]
+    assert not (tmp_path / "r").exists()
+    bad = subprocess.run([sys.executable, "-m", "overshoot", "run", "--gpu-timing", "fast"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown mode 'fast'" in bad.stderr
