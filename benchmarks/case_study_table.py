@@ -11,6 +11,11 @@ per whole step, each with the torch and the Triton decode kernels, all with asyn
 one-graph step without async scheduling, eager steps with host-side speculative decoding, and speculative
 decoding inside the one-graph step (drafts, verification and acceptance on the device). On a CPU (tiny
 preset) GPU idle is n/a: no CUDA events.
+
+`--gpu-timing` picks overshoot's GPU timing in the server (default auto: sampled kernel records on a GPU).
+`--truth` adds, per configuration, an independent measurement in a separate process
+(benchmarks/gpu_truth.py engine): torch.profiler's kernel busy time per decode step over the step time of
+plain steps, and the difference from overshoot's GPU idle share in points.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     cli = [sys.executable, "-m", "overshoot.cli"]
     run = [*cli, "run", "--concurrency", "1", "--max-tokens", str(args.max_tokens), "--requests",
            str(args.requests), "--prompt-tokens", str(args.prompt_tokens), "--engine", "reference",
-           "--out", str(out), "--", *serve]
+           "--gpu-timing", args.gpu_timing, "--out", str(out), "--", *serve]
     started = time.perf_counter()
     done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -77,26 +82,52 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     if not decode:
         return row | {"error": "no decode steps at one request in the report"}
     group = max(decode, key=lambda g: g["steps"])
-    return row | {key: group.get(key) for key in ("steps", "step_ms_median", "gpu_idle_pct", "cpu_share_pct",
-                                                   "cpu_bound_pct", "gpu_ms_median", "spec_tokens_mean")}
+    keys = ("steps", "step_ms_median", "gpu_idle_pct", "gpu_idle_in_step_pct", "gpu_busy_ms_median",
+            "cpu_share_pct", "cpu_bound_pct", "thread_never_waited_pct", "gpu_ms_median", "kernels_median",
+            "kernel_steps", "gpu_timing", "spec_tokens_mean")
+    row |= {key: group.get(key) for key in keys}
+    if args.truth:
+        row |= profiler_truth(flags, args)
+    return row
+
+
+def profiler_truth(flags: list[str], args: argparse.Namespace) -> dict:
+    """torch.profiler's GPU idle share of the same configuration, in a process of its own."""
+    if "--spec-tokens" in flags:  # a token is not a step when speculating: per-token busy would not compare
+        return {"truth_error": "speculative: steps and tokens differ"}
+    engine_flags = [*flags] + ([] if "--no-async-scheduling" in flags else ["--async-scheduling"])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_truth.py"), "engine", "--preset", args.preset,
+         f"--flags={' '.join(engine_flags)}", "--tokens", str(min(args.max_tokens, 64)),
+         "--prompt-len", str(args.prompt_tokens)],
+        cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"truth_error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    truth = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"profiler_idle_pct": truth["profiler_idle_pct"],
+            "profiler_busy_ms": truth["profiler_busy_ms_per_token"]}
 
 
 def fmt(value, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
-def print_table(rows: list[dict], preset: str) -> None:
-    print(f"\n{preset}, one request, decode steps (overshoot report), async scheduling unless noted")
-    print("| configuration | decode step ms | GPU idle waiting on the CPU % | CPU busy % | "
-          "CPU-bound steps % | tok/s per request |")
-    print("|---|---|---|---|---|---|")
+def print_table(rows: list[dict], preset: str, gpu_timing: str) -> None:
+    print(f"\n{preset}, one request, decode steps (overshoot report, --gpu-timing {gpu_timing}), async "
+          "scheduling unless noted")
+    print("| configuration | decode step ms | GPU busy ms | GPU idle % (inside steps) "
+          "| torch.profiler idle % | CPU-bound steps % | thread never waited % | tok/s per request |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['label']} | error: {r['error']} | | | | |")
+            print(f"| {r['label']} | error: {r['error']} | | | | | | |")
             continue
-        print(f"| {r['label']} | {fmt(r['step_ms_median'], '.3f')} | {fmt(r['gpu_idle_pct'], '.1f')} | "
-              f"{fmt(r['cpu_share_pct'], '.0f')} | {fmt(r['cpu_bound_pct'], '.0f')} | "
-              f"{fmt(r['tok_s_per_request'], '.0f')} |")
+        inside = fmt(r.get("gpu_idle_in_step_pct"), ".1f", "?")
+        busy = fmt(r.get("gpu_busy_ms_median"), ".3f")
+        print(f"| {r['label']} | {fmt(r['step_ms_median'], '.3f')} | {busy} "
+              f"| {fmt(r['gpu_idle_pct'], '.1f')} ({inside}) | {fmt(r.get('profiler_idle_pct'), '.1f', '-')} "
+              f"| {fmt(r['cpu_bound_pct'], '.0f')} | {fmt(r.get('thread_never_waited_pct'), '.0f')} "
+              f"| {fmt(r['tok_s_per_request'], '.0f')} |")
 
 
 def main() -> int:
@@ -110,6 +141,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("runs") / "case_study_table")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--gpu-timing", default="auto", help="auto, events, kernels, sampled or off")
+    parser.add_argument("--truth", action="store_true",
+                        help="also measure each configuration with torch.profiler (GPU only)")
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
@@ -124,7 +158,7 @@ def main() -> int:
         print(f"{name}: {json.dumps(rows[-1])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    print_table(rows, args.preset)
+    print_table(rows, args.preset, args.gpu_timing)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -1,16 +1,18 @@
-"""What overshoot's hooks cost the reference engine, measured side by side in one process.
+"""What overshoot's hooks cost the reference engine, per GPU timing mode, side by side in one process.
 
-    python benchmarks/hook_overhead.py          # qwen3-4b, one graph a step, async, batch 1 and 4
-    python benchmarks/hook_overhead.py --preset tiny --tokens 32     # smoke run (on a CPU: eager)
+    python benchmarks/hook_overhead.py                # qwen3-4b, one graph a step, async, batch 1 and 4
+    python benchmarks/hook_overhead.py --configs eager-torch,step-triton --modes events,sampled,kernels
+    python benchmarks/hook_overhead.py --preset tiny --tokens 32 --modes events   # smoke run (CPU: eager)
 
-One engine generates the same greedy requests in alternating rounds without and with the hooks
-(engine_hooks.reference.SPEC installed in this process by the patcher, a Recorder writing a run directory,
-CUDA events on the engine's stream), so both ways share the weights, the graphs and the machine's state.
-Reported per batch: ms per generated token (median over rounds) each way and the hooked / plain ratio, after
-a short hooked generation opened the recorder (a once-a-process cost, not a per-step one). Each hooked round's
-run directory is then read back: every decode step recorded (the opening generation's one included), with its
-GPU interval on CUDA.
-Prints a table last; writes hook_overhead.json under --out.
+Per configuration (the case study's, benchmarks/case_study_table.py), one process builds one engine and
+generates the same greedy requests in alternating rounds: plain, then hooked with each GPU timing mode
+(engine_hooks.reference.SPEC installed by the patcher, a Recorder writing a run directory), so every way
+shares the weights, the graphs and the machine's state. Reported per batch and mode: ms per generated token
+(median over rounds) and its ratio to plain, after a short hooked generation opened the recorder (a
+once-a-process cost, not a per-step one). Each hooked round's run directory is read back: decode steps
+recorded, with a GPU interval, and with kernel records. With --profiler, one last round runs under
+torch.profiler (CUDA activity only) for its cost on the same steps (last: it takes over CUPTI).
+Several configurations run one process each. Prints a table last; writes hook_overhead.json under --out.
 """
 
 from __future__ import annotations
@@ -18,31 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from engine_hooks import patcher  # noqa: E402
-from engine_hooks.reference import SPEC  # noqa: E402
-from overshoot.analysis.steps import joined_steps  # noqa: E402
-from overshoot.record.recorder import Recorder  # noqa: E402
-from overshoot.rundir.reader import load_run  # noqa: E402
-from reference_engine.config import Config  # noqa: E402
-from reference_engine.engine import Engine, SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 
 def sync() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def timed_round(engine: Engine, batch: int, tokens: int, prompt_len: int) -> float:
+def timed_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
     """ms per generated token of a request: one generation of `batch` requests."""
+    from reference_engine.engine import SamplingParams
+
     prompts = [[(17 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch)]
     sync()
     start = time.perf_counter()
@@ -51,12 +49,17 @@ def timed_round(engine: Engine, batch: int, tokens: int, prompt_len: int) -> flo
     return (time.perf_counter() - start) / tokens * 1e3
 
 
-def hooked_round(engine: Engine, run_dir: Path, batch: int, tokens: int, prompt_len: int) -> float:
+def hooked_round(engine, run_dir: Path, batch: int, tokens: int, prompt_len: int, gpu_timing: str) -> float:
     """timed_round with the hooks installed for it (and removed after: the next round runs plain)."""
+    from engine_hooks import patcher
+    from engine_hooks.reference import SPEC
+    from overshoot.record.recorder import Recorder
+    from reference_engine.engine import SamplingParams
+
     opened: list[Recorder] = []
 
     def factory(name: str, process_info: dict) -> Recorder:
-        opened.append(Recorder(run_dir, engine=name, process_info=process_info))
+        opened.append(Recorder(run_dir, engine=name, process_info=process_info, gpu_timing=gpu_timing))
         return opened[-1]
 
     statuses = patcher.install(SPEC, recorder_factory=factory)
@@ -73,68 +76,138 @@ def hooked_round(engine: Engine, run_dir: Path, batch: int, tokens: int, prompt_
             rec.close()
 
 
+def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]):
+        return timed_round(engine, batch, tokens, prompt_len)
+
+
 def check_run(run_dir: Path, cuda: bool) -> dict:
-    """Decode steps recorded in a hooked round's run directory, and how many have a GPU interval."""
+    """Decode steps recorded in a hooked round's run directory, with GPU intervals and with kernel records."""
+    from overshoot.analysis.steps import joined_steps
+    from overshoot.rundir.reader import load_run
+
     steps = joined_steps(load_run(run_dir))
     decode = steps[steps["phase"] == "decode"]
     return {"decode_steps": int(len(decode)),
-            "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None}
+            "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
+            "with_kernels": int((decode["gpu_timing"] == "kernels").sum())}
 
 
-def main() -> None:
+def measure_config(name: str, args) -> dict:
+    """One configuration in this process: alternating rounds, plain and each mode."""
+    import torch
+
+    from benchmarks.case_study_table import CONFIGS
+    from reference_engine.__main__ import build_parser, config_from_args
+    from reference_engine.engine import Engine, SamplingParams
+
+    label, flags = CONFIGS[name]
+    cuda = torch.cuda.is_available()
+    flags = [*flags] + ([] if "--no-async-scheduling" in flags or not cuda else ["--async-scheduling"])
+    serve_args = build_parser().parse_args(
+        ["serve", "--preset", args.preset, "--max-model-len", str(args.prompt_len + args.tokens + 16),
+         "--max-num-seqs", str(max(8, *args.batches)), *flags])
+    engine = Engine(config_from_args(serve_args))
+    engine.generate([[5, 6, 7]] * max(args.batches), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batches:
+            timed_round(engine, batch, args.tokens, args.prompt_len)  # graphs of this batch size captured
+            times: dict[str, list[float]] = {"plain": [], **{m: [] for m in args.modes}}
+            checks: dict[str, list[dict]] = {m: [] for m in args.modes}
+            for i in range(args.rounds):
+                times["plain"].append(timed_round(engine, batch, args.tokens, args.prompt_len))
+                for mode in args.modes:
+                    run_dir = Path(tmp) / f"b{batch}-{mode}-r{i}"
+                    times[mode].append(hooked_round(engine, run_dir, batch, args.tokens, args.prompt_len,
+                                                    mode))
+                    checks[mode].append(check_run(run_dir, cuda))
+            plain = statistics.median(times["plain"])
+            row = {"config": name, "label": label, "batch": batch, "plain_ms": plain, "rounds": times,
+                   "modes": {m: {"ms": statistics.median(times[m]),
+                                 "ratio": statistics.median(times[m]) / plain, "runs": checks[m]}
+                             for m in args.modes}}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
+        if args.profiler and cuda:
+            for row in rows:
+                ms = profiled_round(engine, row["batch"], args.tokens, args.prompt_len)
+                row["profiler"] = {"ms": ms, "ratio": ms / row["plain_ms"]}
+    engine.shutdown()
+    return {"config": name, "rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def print_table(results: list[dict], args) -> None:
+    print(f"\n{args.preset}, {args.tokens} tokens a request, median of {args.rounds} alternating rounds; "
+          "ms per token and its ratio to plain")
+    modes = [*args.modes] + (["profiler"] if args.profiler else [])
+    print(f"{'configuration':28} {'batch':>5} {'plain':>7} " + " ".join(f"{m:>16}" for m in modes)
+          + "  kernel steps / decode steps")
+    for result in results:
+        for row in result.get("rows", []):
+            cells = []
+            for m in modes:
+                cell = row["modes"].get(m) if m != "profiler" else row.get("profiler")
+                cells.append(f"{cell['ms']:8.3f} {cell['ratio']:6.3f}x" if cell else f"{'-':>16}")
+            recorded = ", ".join(
+                f"{m}: {r['runs'][0]['with_kernels']}/{r['runs'][0]['decode_steps']}"
+                for m, r in row["modes"].items() if m != "events")
+            print(f"{row['config']:28} {row['batch']:>5} {row['plain_ms']:7.3f} " + " ".join(cells)
+                  + f"  {recorded}")
+        if "error" in result:
+            print(f"{result['config']:28} error: {result['error']}")
+
+
+def main() -> int:
+    from benchmarks.case_study_table import CONFIGS
+
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-4b")
+    parser.add_argument("--configs", default="step-triton", help=f"comma-separated of {', '.join(CONFIGS)}")
+    parser.add_argument("--modes", default="events", help="GPU timing modes: events,sampled,kernels")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--tokens", type=int, default=128, help="generated tokens per request and round")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="rounds each way, alternating")
+    parser.add_argument("--profiler", action="store_true", help="also time one torch.profiler round")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this configuration here
     args = parser.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-        base = Config(preset=args.preset, max_model_len=args.prompt_len + args.tokens + 8)
-    except ValueError as exc:
-        parser.error(str(exc))
-    cuda = base.device == "cuda"
-    config = base.replace(graph="step", async_scheduling=True) if cuda else base
-    engine = Engine(config)
-    engine.generate([[5, 6, 7]] * max(batches), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    out = {"preset": args.preset, "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "graph": config.graph,
-           "async": config.async_scheduling, "tokens": args.tokens, "rows": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in batches:
-            timed_round(engine, batch, args.tokens, args.prompt_len)  # graphs of this batch size captured
-            plain, hooked, checks = [], [], []
-            for i in range(args.rounds):
-                plain.append(timed_round(engine, batch, args.tokens, args.prompt_len))
-                run_dir = Path(tmp) / f"b{batch}-r{i}"
-                hooked.append(hooked_round(engine, run_dir, batch, args.tokens, args.prompt_len))
-                checks.append(check_run(run_dir, cuda))
-            row = {"batch": batch, "plain_ms": statistics.median(plain),
-                   "hooked_ms": statistics.median(hooked), "plain_rounds": plain, "hooked_rounds": hooked,
-                   "runs": checks}
-            row["ratio"] = row["hooked_ms"] / row["plain_ms"]
-            out["rows"].append(row)
-            print(f"b={batch}: plain {row['plain_ms']:.3f}, hooked {row['hooked_ms']:.3f} ms/token",
-                  flush=True)
-    engine.shutdown()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    bad_modes = [m for m in args.modes if m not in ("events", "sampled", "kernels", "off")]
+    if unknown or bad_modes or not names:
+        print(f"hook_overhead: unknown configuration or mode {unknown + bad_modes or names}", file=sys.stderr)
+        return 2
+    if args.one:
+        print("RESULT " + json.dumps(measure_config(args.one, args)))
+        return 0
+    results = []
+    for name in names:  # one process a configuration: its own engine and CUPTI state
+        argv = ["--preset", args.preset, "--modes", ",".join(args.modes), "--rounds", str(args.rounds),
+                "--batches", ",".join(map(str, args.batches)), "--tokens", str(args.tokens),
+                "--prompt-len", str(args.prompt_len), *(["--profiler"] if args.profiler else [])]
+        done = subprocess.run([sys.executable, __file__, *argv, "--one", name], cwd=ROOT, capture_output=True,
+                              text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            results.append({"config": name, "error": (done.stderr.strip().splitlines() or ["failed"])[-1]})
+        else:
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(f"{name}: done", flush=True)
+    out = {"preset": args.preset, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "tokens": args.tokens, "results": results}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "hook_overhead.json").write_text(json.dumps(out, indent=2))
-    print(f"\n{args.preset} on {out['device']} ({out['date']}), graph={config.graph} async="
-          f"{config.async_scheduling}, {args.tokens} tokens a request, median of {args.rounds} rounds each "
-          f"way")
-    print(f"{'batch':>5} {'plain ms/token':>15} {'hooked ms/token':>16} {'ratio':>7} "
-          f"{'decode steps recorded':>22}")
-    for row in out["rows"]:
-        recorded = ", ".join(
-            str(c["decode_steps"]) + ("" if c["with_gpu"] is None else f" ({c['with_gpu']} with GPU)")
-            for c in row["runs"][:2])
-        print(f"{row['batch']:>5} {row['plain_ms']:>15.3f} {row['hooked_ms']:>16.3f} {row['ratio']:>7.3f} "
-              f"{recorded:>22}")
+    print_table(results, args)
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -61,17 +61,23 @@ def async_scheduling_of(command: list[str]) -> bool | None:
     return None
 
 
-def check_gpu_timing(mode: str) -> None:
-    """Refuse, in one line and before any server starts, a GPU timing this machine cannot give."""
+def resolve_gpu_timing(mode: str) -> str:
+    """The GPU timing the server gets. auto: sampled where kernel timing can run, else events. An explicit
+    kernels/sampled that this machine cannot give is refused in one line, before any server starts."""
     from overshoot.record.kernel_timing import unavailable_reason
     from overshoot.record.recorder import GPU_TIMINGS
 
-    if mode not in GPU_TIMINGS:
-        raise RunFailed(f"--gpu-timing: unknown mode {mode!r}; choose one of {', '.join(GPU_TIMINGS)}", 2)
-    if mode in ("kernels", "sampled"):
-        reason = unavailable_reason(cuda=launch.cuda_present())
-        if reason:
-            raise RunFailed(f"--gpu-timing {mode}: {reason}", 2)
+    if mode not in (*GPU_TIMINGS, "auto"):
+        known = ", ".join(GPU_TIMINGS)
+        raise RunFailed(f"--gpu-timing: unknown mode {mode!r}; choose auto or one of {known}", 2)
+    if mode not in ("kernels", "sampled", "auto"):
+        return mode
+    reason = unavailable_reason(cuda=launch.cuda_present())
+    if mode == "auto":
+        return "events" if reason else "sampled"
+    if reason:
+        raise RunFailed(f"--gpu-timing {mode}: {reason}", 2)
+    return mode
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -111,7 +117,8 @@ def run(
     stop_timeout: Annotated[float, typer.Option(min=0, help="Seconds between SIGTERM and SIGKILL.")] = 15.0,
     gpu_timing: Annotated[str, typer.Option(
         help="GPU timing in the server: events (two CUDA events a step), kernels (every kernel, CUPTI), "
-             "sampled (kernels in windows of steps, within a cost budget) or off.")] = "events",
+             "sampled (kernels in windows of steps, within a cost budget), off, or auto (sampled where "
+             "CUDA and CUPTI are there, else events).")] = "auto",
 ) -> None:
     """Start a server with overshoot's hooks, drive a concurrency sweep, stop it and print the report.
 
@@ -152,13 +159,13 @@ class RunOptions:
     engine: str | None = None
     hooks: list[str] = field(default_factory=list)
     stop_timeout: float = 15.0
-    gpu_timing: str = "events"
+    gpu_timing: str = "auto"
 
 
 def execute(o: RunOptions) -> int:
     """The whole run; raises RunFailed (message, exit code) after leaving a readable run dir."""
     levels = parse_concurrency(o.concurrency)
-    check_gpu_timing(o.gpu_timing)
+    gpu_timing = resolve_gpu_timing(o.gpu_timing)
     run_dir = o.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunFailed(f"{run_dir} already exists; choose another --out", 2)
@@ -182,7 +189,8 @@ def execute(o: RunOptions) -> int:
         spec_file = ref.rpartition(":")[0] if ":" in ref else ref
         if spec_file.endswith(".py") and not Path(spec_file).is_file():
             raise RunFailed(f"--hooks: no such file {spec_file}", 2)
-    options = dict(vars(o), out=str(run_dir), port=port, engine=engine, hooks=extra_specs)
+    options = dict(vars(o), out=str(run_dir), port=port, engine=engine, hooks=extra_specs,
+                   gpu_timing=gpu_timing)
     options.update(concurrency=list(levels))
     del options["command"]
     scheduling = async_scheduling_of(command)
@@ -198,7 +206,7 @@ def execute(o: RunOptions) -> int:
     console.print(header, highlight=False, markup=False, soft_wrap=True)
     # Every known spec is installed lazily (on import of its engine) unless --engine narrows the choice.
     env = launch.hooked_env(run_dir, engine=o.engine, extra_specs=extra_specs, embedded=embedded)
-    env["OVERSHOOT_GPU_TIMING"] = o.gpu_timing
+    env["OVERSHOOT_GPU_TIMING"] = gpu_timing
     results = LoadResults()
     server: Server | None = None
     status, code, failure = "failed", 1, None
