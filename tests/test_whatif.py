@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from run_factory import simulate_timeline, write_run
 
@@ -115,3 +116,36 @@ def test_projection_matches_a_synthetic_rerun(tmp_path, case):
         record_synthetic(rerun, SyntheticConfig(steps=300, seed=11, **{**params, **override}))
         projected_ms = float(summary.steps[f"whatif:{what_if.label}"].median())
         assert projected_ms == pytest.approx(_median_step_ms(rerun), rel=0.03), (case, what_if.label)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_max_plus_scan_equals_the_step_loop(seed):
+    """The vectorised replay (max-plus prefix scan) gives the loop's step times, on random plans mixing
+    steps that await the latest GPU work, the one before, their own, nothing, wait before launching, or
+    launch nothing."""
+    from overshoot.analysis import whatif
+
+    rng = np.random.default_rng(seed)
+    n = 5_000
+    has_gpu = rng.random(n) > 0.1
+    rows = np.arange(n)
+    gpu_rows = np.flatnonzero(has_gpu)
+    pos = np.searchsorted(gpu_rows, rows) - 1
+    previous = np.where(pos >= 0, gpu_rows[np.maximum(pos, 0)], -1)
+    before = np.where(pos >= 1, gpu_rows[np.maximum(pos - 1, 0)], -1)
+    choice = rng.integers(0, 4, n)
+    awaited = np.select([choice == 0, (choice == 1) & has_gpu, choice == 2], [previous, rows, before], -1)
+    wait_first = has_gpu & (awaited != rows) & (awaited >= 0) & (rng.random(n) > 0.7)
+    plan = whatif._Plan(
+        gap=rng.exponential(1e4, n) * (rng.random(n) > 0.8), c0=rng.exponential(2e5, n),
+        c1=rng.exponential(1e5, n), c2=rng.exponential(5e4, n), wait_first=wait_first,
+        gpu_ns=np.where(has_gpu, rng.exponential(3e5, n), 0.0), has_gpu=has_gpu, kernels=None,
+        kernel_step=np.zeros(n, bool), busy_est=np.full(n, np.nan), awaited=awaited.astype("int64"),
+        residual=rng.exponential(3e3, n), fixed_wait=np.where(awaited < 0, rng.exponential(1e4, n), 0.0),
+    )
+    for cpu, gpu in ((1.0, 1.0), (0.9, 1.0), (1.0, 0.9)):
+        d, k = whatif._gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu)
+        assert whatif._step_matrices(plan, d, k, cpu_scale=cpu) is not None
+        scanned = whatif._replay(plan, cpu_scale=cpu, gpu_scale=gpu)
+        looped = whatif._replay_loop(plan, d, k, cpu_scale=cpu)
+        assert np.allclose(scanned, looped, rtol=0, atol=1e-6)

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.frames import str_column
+
+# Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
+SOURCES = ("kernels", "estimate", "events", "none")
 # Launch-to-start latency assumed when no kernel started on an idle GPU (none to measure it from).
 DEFAULT_LATENCY_NS = 5_000.0
 
@@ -200,22 +204,22 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     out["gpu_idle_before_ms"] = before
     for name, values in cols.items():
         out[name] = values
-    # The verdict's GPU idle, by source.
+    # The verdict's GPU idle by source: codes into SOURCES (a string per row costs a Python object each).
     measured = inst & ~np.isnan(cols["gpu_busy_ms"])
     idle = np.where(measured, np.nan_to_num(before) + np.nan_to_num(cols["gpu_idle_in_step_ms"]), np.nan)
-    source = np.where(measured, "kernels", "none").astype(object)
-    busy_est = _group_mean(out, np.where(measured, cols["gpu_busy_ms"], np.nan))
+    source = np.where(measured, 0, 3).astype("int8")
+    busy_est = _group_mean(out, np.where(measured, cols["gpu_busy_ms"], np.nan)) if measured.any() else nan
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
-    source[estimate] = "estimate"
+    source[estimate] = 1
     events = ~measured & ~estimate & ~np.isnan(before)
     idle[events] = before[events]
-    source[events] = "events"
+    source[events] = 2
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(step_ms > 0, idle / step_ms, np.nan)
     out["gpu_idle_ms"] = idle
     out["gpu_idle_share"] = share
-    out["gpu_timing"] = pd.Series(source, dtype="str")
+    out["gpu_timing"] = str_column(list(SOURCES), source)
     verdict = pd.array(share > cpu_bound_share, dtype="boolean")
     verdict[np.isnan(share)] = pd.NA
     out["cpu_bound"] = verdict

@@ -9,6 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.frames import str_column
+from overshoot.analysis.kernels import attach_gpu_truth
+
 STEP_COLUMNS = [
     "run_id",
     "pid",
@@ -44,7 +47,6 @@ RAW_STEP_COLUMNS = [
     "pid",
     "thread",
 ]
-_STR = pd.api.types.pandas_dtype("str")  # what dtype="str" means in this pandas
 # Values of the load_window column (runs with load levels), in code order: before the first level, inside
 # one, elsewhere. Machine-readable on purpose; the report says "warm-up".
 LOAD_WINDOWS = ("warmup", "level", "outside")
@@ -73,7 +75,6 @@ def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
     a million steps never go through string joins. Kernel records, the GPU idle share and the verdicts come
     from analysis/kernels.py.
     """
-    from overshoot.analysis.kernels import attach_gpu_truth
 
     raw = run.steps
     heads = _run_heads(raw)
@@ -87,7 +88,7 @@ def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
     df = raw.reset_index(drop=True)
     out = pd.DataFrame(
         {
-            "run_id": _str_column([run.run_id], np.zeros(len(df), "int8")),
+            "run_id": str_column([run.run_id], np.zeros(len(df), "int8")),
             "pid": df["pid"].astype("int64"),
             "thread": df["thread"] if df["thread"].dtype == "str" else df["thread"].astype("str"),
             "step": df["step"].astype("int64"),
@@ -164,17 +165,6 @@ def _timeline_codes(frame: pd.DataFrame, pids: pd.Index, threads: pd.Index) -> n
     p = pids.get_indexer(frame["pid"].to_numpy()[heads])
     t = threads.get_indexer(frame["thread"].iloc[heads])
     return _expand(heads, np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1), len(frame))
-
-
-def _str_column(names: list[str], codes: np.ndarray) -> pd.Series:
-    """names[codes] as dtype "str". When "str" is Arrow-backed (pandas >= 3) it is built by Arrow, a take
-    from the few names: pd.Series(value, index=..., dtype="str") goes through a Python object per row
-    (~0.1 s per million rows)."""
-    if getattr(_STR, "storage", None) != "pyarrow":  # older pandas or Python-backed strings
-        return pd.Series(np.asarray(names, dtype=object)[codes], dtype="str")
-    import pyarrow as pa
-
-    return pd.Series(pd.array(pa.array(names, pa.large_string()).take(pa.array(codes)), dtype=_STR))
 
 
 def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, threads: pd.Index):
@@ -258,7 +248,7 @@ def _load_window(start_ns: np.ndarray, concurrency: pd.Series, levels: list[dict
     first_start = min(lv["start_ns"] for lv in levels)
     inside = concurrency.notna().to_numpy()
     codes = np.where(inside, 1, np.where(start_ns < first_start, 0, 2)).astype("int8")
-    return _str_column(list(LOAD_WINDOWS), codes)
+    return str_column(list(LOAD_WINDOWS), codes)
 
 
 def _level_of(start_ns: np.ndarray, levels: list[dict]) -> pd.Series:

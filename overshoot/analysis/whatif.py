@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis import maxplus
 from overshoot.analysis.kernels import StepKernels
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
@@ -243,7 +244,8 @@ def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarr
 
 def _replay(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
     """Projected step times (ms). Steps that each wait for their own GPU work (sync engines) are independent:
-    vectorised. Otherwise the sequential recurrence, one tight loop over steps (about 1 µs per step)."""
+    vectorised. Steps that wait for the previous GPU work, their own or none: a max-plus scan (maxplus.py).
+    Otherwise the sequential recurrence, one tight loop over steps (about 1 µs per step)."""
     rows = np.arange(len(p.c0))
     d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
     if not p.wait_first.any() and np.all(np.where(p.has_gpu, p.awaited == rows, p.awaited < 0)):
@@ -252,7 +254,51 @@ def _replay(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
             p.awaited >= 0, np.maximum(p.c1 * cpu_scale, k) + p.residual, p.c1 * cpu_scale + p.fixed_wait
         )
         return ((p.c0 + p.c2) * cpu_scale + waited) / 1e6
-    return _replay_loop(p, d, k, cpu_scale=cpu_scale)
+    matrices = _step_matrices(p, d, k, cpu_scale=cpu_scale)
+    if matrices is None:
+        return _replay_loop(p, d, k, cpu_scale=cpu_scale)
+    t = maxplus.thread_times(matrices)
+    begin = np.concatenate([[0.0], t[:-1]]) + p.gap
+    return (t - begin) / 1e6
+
+
+def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale: float) -> maxplus.Matrix | None:
+    """Each step's max-plus matrix over (thread time, latest GPU end, the one before), or None when some wait
+    awaits other GPU work than those two, the step's own, or none (the loop handles those)."""
+    n = len(p.c0)
+    rows = np.arange(n)
+    gpu_rows = np.flatnonzero(p.has_gpu)
+    pos = np.searchsorted(gpu_rows, rows) - 1  # the last GPU row before each step
+    prev1 = np.where(pos >= 0, gpu_rows[np.maximum(pos, 0)], -1) if len(gpu_rows) else np.full(n, -1)
+    prev2 = np.where(pos >= 1, gpu_rows[np.maximum(pos - 1, 0)], -1) if len(gpu_rows) else np.full(n, -1)
+    waits = p.awaited >= 0
+    on1, on2 = waits & (p.awaited == prev1), waits & (p.awaited == prev2)
+    own = waits & (p.awaited == rows) & p.has_gpu & ~p.wait_first
+    none = ~waits
+    if not np.all(on1 | on2 | own | none):
+        return None
+    neg, zero = np.full(n, maxplus.NEG), np.zeros(n)
+    u = p.gap + p.c0 * cpu_scale
+    c1, post, res = p.c1 * cpu_scale, p.c2 * cpu_scale, p.residual
+    # Launch first (the usual order): the thread's end from t, G1, G2.
+    t_t = np.where(none, u + c1 + p.fixed_wait + post,
+                   np.where(own, np.maximum(u + c1, u + k) + res + post, u + c1 + res + post))
+    t_g1 = np.where(on1, res + post, np.where(own, d + res + post, neg))
+    t_g2 = np.where(on2, res + post, neg)
+    # The GPU: a step with work pushes it on (G1' from t and G1; G2' = G1); one without keeps both.
+    g = p.has_gpu
+    g1 = [np.where(g, u + k, neg), np.where(g, d, zero), neg.copy()]
+    g2 = [neg.copy(), np.where(g, zero, neg), np.where(g, neg, zero)]
+    if p.wait_first.any():  # wait, then launch: the thread reaches the launch at `at` (from t, G1, G2)
+        wf = p.wait_first
+        at_t = np.where(none, u + p.fixed_wait + c1, u + res + c1)
+        at_g1 = np.where(on1, res + c1, neg)
+        at_g2 = np.where(on2, res + c1, neg)
+        pairs = ((at_t, t_t), (at_g1, t_g1), (at_g2, t_g2))
+        t_t, t_g1, t_g2 = (np.where(wf, at + post, x) for at, x in pairs)
+        g1 = [np.where(wf, at_t + k, g1[0]), np.where(wf, np.maximum(d, at_g1 + k), g1[1]),
+              np.where(wf, at_g2 + k, g1[2])]
+    return [[t_t, t_g1, t_g2], g1, g2]
 
 
 def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale: float) -> np.ndarray:

@@ -19,16 +19,24 @@ from __future__ import annotations
 import threading
 from collections import deque
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from overshoot.record.recorder import Recorder
+from typing import Any, Protocol
 
 TIMING_LABEL = "overshoot:kernel-timing"
 
 
 class KernelTimingError(Exception):
     """Kernel timing cannot run here; the message is one line meant for the user."""
+
+
+class Recorder(Protocol):
+    """What the sampler uses of the recorder (a protocol: this module does not import the recorder)."""
+
+    _sampler: Any
+    _io: Any
+
+    def kernel_spans(self, columns: dict) -> None: ...
+    def kernel_window(self, start_ns: int, end_ns: int) -> None: ...
+    def _emit_span(self, step: int, kind: str, label: str, start: int, dur: int) -> None: ...
 
 
 class Collector(Protocol):
