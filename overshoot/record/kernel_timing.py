@@ -21,11 +21,11 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any, Protocol
 
+from overshoot.record.errors import KernelTimingError
+
+__all__ = ["Collector", "KernelSampler", "KernelTimingError", "cupti_collector", "unavailable_reason"]
+
 TIMING_LABEL = "overshoot:kernel-timing"
-
-
-class KernelTimingError(Exception):
-    """Kernel timing cannot run here; the message is one line meant for the user."""
 
 
 class Recorder(Protocol):

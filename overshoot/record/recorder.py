@@ -381,7 +381,8 @@ class Recorder:
 
         In a thread that runs no steps (a model worker process of a multiprocess executor), each
         gpu_begin .. gpu_end pair is its own interval, recorded at step -1 ("detached"); the analyzer gives
-        it to the step of the run's stepping thread during which its GPU work started."""
+        it to the step of the run's stepping thread during which its GPU work started. There each pair also
+        counts as a step for kernel timing's windows (the worker launches the kernels)."""
         if self._gpu_slot >= 0:
             return
         ring = self._ring
@@ -389,6 +390,8 @@ class Recorder:
             if ring is False or not self._init_gpu():
                 return
             ring = self._ring
+        if self._step < 0 and self._sampler is not None:
+            self._sampler.at_step(perf_counter_ns(), None, None)
         slot = ring.acquire()
         if stream is None:
             ring.begin_events[slot].record()  # the current stream (a ~4 µs lookup): pass the stream

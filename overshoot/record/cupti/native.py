@@ -1,0 +1,288 @@
+"""The native side of kernel timing: find libcupti, compile the C shim (shim.c) once, ctypes bindings.
+
+The shim is compiled with the system C compiler (as Triton compiles its launchers) into a cache directory
+(`$OVERSHOOT_CACHE`, else `$XDG_CACHE_HOME/overshoot` or `~/.cache/overshoot`), named by a hash of its source
+and the platform, so an upgrade never loads a stale build. libcupti: the copy torch already loaded if any,
+else the nvidia wheel's for torch's CUDA major (13: `nvidia-cuda-cupti`, nvidia/cu13/lib/libcupti.so.13;
+12: `nvidia-cuda-cupti-cu12`, nvidia/cuda_cupti/lib/libcupti.so.12), else a CUDA toolkit's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from overshoot.record.cupti.records import LayoutError
+
+SHIM_SOURCE = Path(__file__).with_name("shim.c")
+CUPTI_SUCCESS, CUPTI_ERROR_MAX_LIMIT_REACHED, CUPTI_ERROR_INVALID_KIND = 0, 12, 21
+
+
+class CuptiError(RuntimeError):
+    """A CUPTI call that failed; the message names the call and CUPTI's reason."""
+
+
+def cache_dir() -> str:
+    base = os.environ.get("OVERSHOOT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "overshoot")
+    try:
+        os.makedirs(base, exist_ok=True)
+        return base
+    except OSError:
+        fallback = os.path.join(tempfile.gettempdir(), f"overshoot-{os.getuid()}")
+        os.makedirs(fallback, exist_ok=True)
+        return fallback
+
+
+def find_c_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build_shim(out_dir: str | None = None) -> str:
+    """Path of the compiled shim, compiling it if this source and platform have no build yet."""
+    compiler = find_c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc, clang or $CC) to build the CUPTI shim")
+    source = SHIM_SOURCE.read_bytes()
+    tag = hashlib.sha256(source + platform.machine().encode() + platform.system().encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    target = os.path.join(out_dir, f"libovs_cupti_shim_{tag}.so")
+    if os.path.exists(target):
+        return target
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        built = os.path.join(tmp, "shim.so")
+        done = subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-Wall", "-o", built, str(SHIM_SOURCE),
+                               "-lpthread"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the CUPTI shim did not compile: {done.stderr.strip()[:500]}")
+        os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+    return target
+
+
+_STAT_NAMES = ["requested", "completed", "allocated", "alloc_failed", "dropped_records",
+               "outstanding", "last_request_tid", "last_complete_tid", "lost",
+               "null_completed", "complete_tids_differ", "first_complete_tid"]
+
+
+
+class Shim:
+    """ctypes view of the compiled shim."""
+
+    def __init__(self, path: str):
+        self.path = path
+        L = self.lib = ctypes.CDLL(path)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        L.ovs_monotonic_ns.restype = ctypes.c_uint64
+        L.ovs_monotonic_ns.argtypes = []
+        L.ovs_configure.restype = ctypes.c_long
+        L.ovs_configure.argtypes = [sz, sz]
+        L.ovs_set_dropped_fn.argtypes = [vp]
+        L.ovs_set_dropped_fn.restype = None
+        L.ovs_buffer_requested.argtypes = [ctypes.POINTER(vp), ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        L.ovs_buffer_requested.restype = None
+        L.ovs_buffer_completed.argtypes = [vp, ctypes.c_uint32, vp, sz, sz]
+        L.ovs_buffer_completed.restype = None
+        L.ovs_take_completed.argtypes = [ctypes.POINTER(vp), ctypes.POINTER(sz), sz]
+        L.ovs_take_completed.restype = sz
+        L.ovs_num_completed.restype = sz
+        L.ovs_buffer_size.restype = sz
+        L.ovs_recycle.argtypes = [vp]
+        L.ovs_recycle.restype = None
+        L.ovs_release_free.restype = sz
+        L.ovs_stats.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        L.ovs_stats.restype = None
+        i64p = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
+        u64p = np.ctypeslib.ndpointer(np.uint64, flags="C_CONTIGUOUS")
+        i32p = np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS")
+        u32p = np.ctypeslib.ndpointer(np.uint32, flags="C_CONTIGUOUS")
+        L.ovs_clock_pairs.argtypes = [vp, ctypes.c_int, i64p, u64p, i64p]
+        L.ovs_clock_pairs.restype = ctypes.c_int
+        L.ovs_walk.argtypes = [vp, sz, u32p, ctypes.c_int, i64p, i32p, sz]
+        L.ovs_walk.restype = ctypes.c_long
+
+    def fnptr(self, name: str) -> int:
+        return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+
+    def stats(self) -> dict:
+        arr = (ctypes.c_int64 * 12)()
+        self.lib.ovs_stats(arr, 12)
+        return dict(zip(_STAT_NAMES, list(arr), strict=True))
+
+    def take_completed(self, max_n: int = 4096) -> list[tuple[int, int]]:
+        bufs = (ctypes.c_void_p * max_n)()
+        valid = (ctypes.c_size_t * max_n)()
+        n = self.lib.ovs_take_completed(bufs, valid, max_n)
+        return [(int(bufs[i] or 0), int(valid[i])) for i in range(n)]
+
+    def walk(self, addr: int, valid: int, sizes: dict) -> tuple[np.ndarray, np.ndarray]:
+        table = np.zeros(64, np.uint32)
+        for k, s in sizes.items():
+            if 0 <= k < 64:
+                table[k] = s
+        max_n = valid // 8 + 1
+        offs = np.empty(max_n, np.int64)
+        kinds = np.empty(max_n, np.int32)
+        n = self.lib.ovs_walk(addr, valid, table, 64, offs, kinds, max_n)
+        if n < 0:
+            raise LayoutError(f"native walk failed at byte {-n - 1}")
+        return offs[:n].copy(), kinds[:n].copy()
+
+    def clock_pairs(self, ts_fnptr: int, n: int):
+        b = np.empty(n, np.int64)
+        c = np.empty(n, np.uint64)
+        a = np.empty(n, np.int64)
+        rc = self.lib.ovs_clock_pairs(ts_fnptr, n, b, c, a)
+        if rc != 0:
+            raise RuntimeError(f"cuptiGetTimestamp failed: {rc}")
+        return b, c, a
+
+
+def _torch_cuda_major() -> int | None:
+    t = sys.modules.get("torch")
+    v = getattr(getattr(t, "version", None), "cuda", None) if t else None
+    try:
+        return int(str(v).split(".")[0]) if v else None
+    except ValueError:
+        return None
+
+
+def _mapped_libcupti() -> str | None:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.rstrip().split(" ")[-1]
+                if "/libcupti.so" in p and os.path.exists(p):
+                    return p
+    except OSError:
+        pass
+    return None
+
+
+def find_libcupti(cuda_major: int | None = None) -> list[str]:
+    """Candidate libcupti paths, best first.
+
+    CUDA 13 wheel ``nvidia-cuda-cupti`` installs ``nvidia/cu13/lib/libcupti.so.13``;
+    CUDA 12 wheel ``nvidia-cuda-cupti-cu12`` installs ``nvidia/cuda_cupti/lib/libcupti.so.12``.
+    """
+    cands: list[str] = []
+    env = os.environ.get("OVERSHOOT_CUPTI_LIB")
+    if env:
+        cands.append(env)
+    m = _mapped_libcupti()  # the copy torch already loaded, if any: always prefer it
+    if m:
+        cands.append(m)
+    major = cuda_major or _torch_cuda_major()
+    order = [13, 12] if major in (None, 13) else [12, 13]
+    for mj in order:
+        for sp in sys.path:
+            if not sp or not os.path.isdir(sp):
+                continue
+            sub = "cu13" if mj >= 13 else "cuda_cupti"
+            cands += sorted(glob.glob(os.path.join(sp, "nvidia", sub, "lib", f"libcupti.so.{mj}*")))
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cands += sorted(glob.glob(os.path.join(root, "extras", "CUPTI", "lib64", "libcupti.so*")))
+    lib = ctypes.util.find_library("cupti")
+    if lib:
+        cands.append(lib)
+    seen, out = set(), []
+    for c in cands:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+class Cupti:
+    """Minimal ctypes binding of the CUPTI C API subset we need."""
+
+    def __init__(self, path: str):
+        self.path = path
+        L = self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        vp, sz, u32, u8 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint8
+        sig = {
+            "cuptiGetVersion": [ctypes.POINTER(u32)],
+            "cuptiGetResultString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuptiGetTimestamp": [ctypes.POINTER(ctypes.c_uint64)],
+            "cuptiSetThreadIdType": [ctypes.c_int],
+            "cuptiActivityEnable": [ctypes.c_int],
+            "cuptiActivityDisable": [ctypes.c_int],
+            "cuptiActivityEnableRuntimeApi": [u32, u8],
+            "cuptiActivityEnableDriverApi": [u32, u8],
+            "cuptiActivityRegisterCallbacks": [vp, vp],
+            "cuptiActivityRegisterTimestampCallback": [vp],
+            "cuptiActivityFlushAll": [u32],
+            "cuptiActivitySetAttribute": [ctypes.c_int, ctypes.POINTER(sz), vp],
+            "cuptiActivityGetNextRecord": [vp, sz, ctypes.POINTER(vp)],
+            "cuptiActivityGetNumDroppedRecords": [vp, u32, ctypes.POINTER(sz)],
+            "cuptiFinalize": [],
+        }
+        self.missing = []
+        for name, args in sig.items():
+            fn = getattr(L, name, None)
+            if fn is None:
+                self.missing.append(name)
+                continue
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+
+    def err(self, rc: int) -> str:
+        s = ctypes.c_char_p()
+        try:
+            self.lib.cuptiGetResultString(rc, ctypes.byref(s))
+            return (s.value or b"").decode(errors="replace")
+        except Exception:
+            return f"CUPTI error {rc}"
+
+    def call(self, name: str, *args, ok=(CUPTI_SUCCESS,)) -> int:
+        rc = getattr(self.lib, name)(*args)
+        if rc not in ok:
+            raise CuptiError(f"{name} -> {rc} ({self.err(rc)})")
+        return rc
+
+    def version(self) -> int:
+        v = ctypes.c_uint32()
+        self.call("cuptiGetVersion", ctypes.byref(v))
+        return int(v.value)
+
+    def timestamp(self) -> int:
+        t = ctypes.c_uint64()
+        self.call("cuptiGetTimestamp", ctypes.byref(t))
+        return int(t.value)
+
+    def fnptr(self, name: str) -> int:
+        return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+
+    def next_record_offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
+        """Authoritative walk with cuptiActivityGetNextRecord (one ctypes call per record)."""
+        rec = ctypes.c_void_p(None)
+        offs, kinds = [], []
+        f = self.lib.cuptiActivityGetNextRecord
+        while True:
+            rc = f(addr, valid, ctypes.byref(rec))
+            if rc == CUPTI_ERROR_MAX_LIMIT_REACHED:
+                break
+            if rc == CUPTI_ERROR_INVALID_KIND:  # incomplete/invalid record: stop, as documented
+                break
+            if rc != CUPTI_SUCCESS:
+                raise CuptiError(f"cuptiActivityGetNextRecord -> {rc} ({self.err(rc)})")
+            o = rec.value - addr
+            offs.append(o)
+            kinds.append(ctypes.c_uint32.from_address(rec.value).value)
+        return np.asarray(offs, np.int64), np.asarray(kinds, np.int32)
+
+
