@@ -313,8 +313,18 @@ def collector_check(rounds: int = 3, launches: int = 20_000) -> dict:
         on.append(loop())
         col.disable()
         col.collect(final=True)
+    switches = []
+    for _ in range(5):  # what switching costs the engine thread at a window's edges
+        t0 = time.perf_counter_ns()
+        col.enable()
+        t1 = time.perf_counter_ns()
+        col.disable()
+        switches.append(((t1 - t0) / 1e6, (time.perf_counter_ns() - t1) / 1e6))
+        col.collect(final=True)
     info = col.describe()
     return {
+        "enable_ms": statistics.median(s[0] for s in switches),
+        "disable_ms": statistics.median(s[1] for s in switches),
         "eager_launched": 200, "eager_kernels_found": eager_kernels, "eager_in_window": int(in_window.sum()),
         "eager_with_launch": int(np.isfinite(np.asarray(eager.get("launch_start_ns", []))).sum()),
         "launch_before_start": bool(np.all(np.asarray(eager.get("launch_start_ns", [0]))

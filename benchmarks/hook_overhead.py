@@ -88,11 +88,14 @@ def check_run(run_dir: Path, cuda: bool) -> dict:
     from overshoot.analysis.steps import joined_steps
     from overshoot.rundir.reader import load_run
 
-    steps = joined_steps(load_run(run_dir))
+    run = load_run(run_dir)
+    steps = joined_steps(run)
     decode = steps[steps["phase"] == "decode"]
+    switch = run.spans[run.spans["label"] == "overshoot:kernel-timing"]["dur_ns"]
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
-            "with_kernels": int((decode["gpu_timing"] == "kernels").sum())}
+            "with_kernels": int((decode["gpu_timing"] == "kernels").sum()),
+            "switch_ms": float(switch.sum() / 1e6), "switches": int(len(switch))}
 
 
 def measure_config(name: str, args) -> dict:
