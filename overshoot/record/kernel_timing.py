@@ -87,6 +87,7 @@ class KernelSampler:
         self._last_t = 0
         self._plain = deque(maxlen=window_steps)  # durations of the last plain steps
         self._inside: list[int] = []
+        self._switch_ns = 0  # time the last window's two switches took (between steps, on the engine thread)
         self._seen: set[tuple] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -130,7 +131,9 @@ class KernelSampler:
             self._window_start = t_after
             self.windows += 1
             self._inside = []
+            self._switch_ns = t_after - t
         else:
+            self._switch_ns += t_after - t
             self.recorder.kernel_window(self._window_start, t)
             self._steps_since = 0
             self._gap = self._next_gap()
@@ -141,14 +144,18 @@ class KernelSampler:
         return t_after
 
     def _next_gap(self) -> int:
-        """Plain steps before the next window: window x slowdown / budget, at least min_gap."""
+        """Plain steps before the next window, so that what a window cost (its steps' slowdown and its two
+        switches, measured) is `budget` of the time until the next one; at least min_gap."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
-        if not inside or not self._plain:
+        if not self._plain:
             return self.min_gap
         plain = sum(self._plain) / len(self._plain)
-        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if plain > 0 else 0.0
+        if plain <= 0:
+            return self.min_gap
+        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if inside else 0.0
         self.cost_ratio = ratio
-        return max(self.min_gap, int(self.window_steps * ratio / self.budget))
+        cost_ns = len(inside) * ratio * plain + self._switch_ns
+        return max(self.min_gap, int(cost_ns / (self.budget * plain)))
 
     # ---- drain thread ----
 

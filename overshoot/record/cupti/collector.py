@@ -1,11 +1,15 @@
 """CuptiCollector: the default kernel-timing collector (record/kernel_timing.py's Collector protocol).
 
 Costs by caller:
-- engine thread, at a step boundary: `enable()` / `disable()` switch CUPTI's activity kinds (a few ctypes
-  calls); never a synchronize or a flush. Then CUPTI itself adds work to every launch while enabled
-  (measured by benchmarks/cupti_probe.py: about 1 µs a launch on the H200).
+- engine thread, at a step boundary: `enable()` / `disable()` switch five CUPTI activity kinds (five ctypes
+  calls, a few µs); never a synchronize or a flush. The first `enable()` of the process also sets CUPTI up
+  (_Session: load libcupti, build or load the shim, register callbacks; ~0.1 s, more on a first build).
+  While enabled CUPTI itself adds work to every launch (benchmarks/cupti_probe.py measures it: about
+  1.3 µs a launch on the H200 with every API record, 2026-12-03).
 - drain thread, every ~0.5 s: `collect()` flushes completed buffers, walks them in C, parses with numpy,
-  joins each kernel to its launch call by correlation id: no Python per record.
+  joins each kernel to its launch call by correlation id (records.LaunchJoin): no Python per record, only
+  per buffer and per unique kernel name. A GPU record whose call has not arrived waits up to two collects,
+  then goes out with NaN launch times; `final` forces the flush and lets nothing wait.
 CUPTI's state is per process (one activity client, callbacks that cannot be unregistered), so it is set up
 once per process (`_Session`) and shared by the collectors of successive recorders, one enabled at a time.
 All runtime and driver API records are taken; only those of calls that put work on the GPU (launches,
@@ -21,7 +25,6 @@ import numpy as np
 
 from overshoot.record.cupti import native, records
 from overshoot.record.cupti.records import (
-    DRIVER_LAUNCH_CBIDS,
     KIND_CONCURRENT_KERNEL,
     KIND_DRIVER,
     KIND_MEMCPY,
@@ -29,14 +32,16 @@ from overshoot.record.cupti.records import (
     KIND_NAMES,
     KIND_RUNTIME,
     MEMCPY_KINDS,
-    RUNTIME_LAUNCH_CBIDS,
 )
 from overshoot.record.errors import KernelTimingError
 
 BUFFER_BYTES = 8 << 20
 PREALLOCATED_BUFFERS = 8
 GPU_KINDS = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET)
+API_KINDS = (KIND_RUNTIME, KIND_DRIVER)
 CARRY_COLLECTS = 2  # GPU records wait this many collects for their launch record before going without
+KEEP_CALLS_COLLECTS = 4  # launch calls wait this many for their GPU records (kernels lag by the queue)
+API_FILTER = "all runtime+driver API records; launch, graph, copy and set calls kept (numpy)"
 
 
 def unavailable_reason(*, cuda: bool) -> str | None:
@@ -112,6 +117,11 @@ class _Session:
         c.call("cuptiActivityRegisterCallbacks", self.shim.fnptr("ovs_buffer_requested"),
                self.shim.fnptr("ovs_buffer_completed"))
         self.clock = [self.sample_clock()]
+        if self.monotonic and abs(self.clock[0].offset_ns) > self.clock[0].error_ns + 1000:
+            # accepted but not in effect (another CUPTI client came first?): map CUPTI's clock instead
+            self.monotonic = False
+            self.notes.append(f"timestamp callback not in effect (offset {self.clock[0].offset_ns} ns): "
+                              "CUPTI's clock is mapped")
         self.names: dict[int, str] = {}
 
     def sample_clock(self, n: int = 200) -> records.ClockSample:
@@ -121,28 +131,47 @@ class _Session:
     def set_enabled(self, on: bool) -> None:
         # All runtime and driver calls are recorded and the launches picked out in numpy: switching the
         # others off one by one (cuptiActivityEnableRuntimeApi) made each launch cost more, not less
-        # (+3.1 against +1.3 µs a launch on the H200, 2026-12-03).
-        for kind in GPU_KINDS + (KIND_RUNTIME, KIND_DRIVER):
+        # (+3.1 against +1.3 µs a launch on the H200, 2026-12-03), and enabling only the launch cbids
+        # without the kind recorded no API records at all (CUPTI 13.0.85).
+        # Calls are switched on before GPU work and off after it, so a kernel never lacks its call because
+        # another thread launched it between two of these switches.
+        kinds = API_KINDS + GPU_KINDS if on else GPU_KINDS + API_KINDS
+        for kind in kinds:
             self.cupti.call("cuptiActivityEnable" if on else "cuptiActivityDisable", kind)
 
     def offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
-        """Record offsets of one buffer: the C size walk, checked once against CUPTI's own walk."""
-        if self.layout is None or not self.validated:
-            theirs = self.cupti.next_record_offsets(addr, valid)
-            learned = records.learn_sizes(*theirs, valid)
-            if self.layout is None:
-                self.layout = records.CUPTI_13_0.with_sizes(learned, f"learned (CUPTI {self.version})")
+        """Record offsets of one buffer: the C size walk, checked against CUPTI's own walk on the first
+        buffer, and again (learning the sizes it lacks) whenever the table does not walk a buffer."""
+        if self.validated and self.layout is not None:
             try:
-                ours = self.shim.walk(addr, valid, self.layout.sizes)
-                same = all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+                return self.shim.walk(addr, valid, self.layout.sizes)
             except records.LayoutError:
-                same = False
-            if not same:
-                self.notes.append(f"record sizes learned: {learned}")
-                self.layout = self.layout.with_sizes({**self.layout.sizes, **learned}, self.layout.name + "+")
-            self.validated = True
-            return theirs
-        return self.shim.walk(addr, valid, self.layout.sizes)
+                pass  # a kind the table lacks: learn its size from CUPTI below rather than lose the buffer
+        offs, kinds, end = self.cupti.next_record_offsets(addr, valid)
+        learned = records.learn_sizes(offs, kinds, end)
+        base = self.layout or records.CUPTI_13_0.with_sizes({}, f"learned (CUPTI {self.version})")
+        walked = None
+        for sizes in (base.sizes, {**base.sizes, **learned}):
+            try:
+                ours = self.shim.walk(addr, valid, sizes)
+            except records.LayoutError:
+                continue
+            # CUPTI's walk stops at an incomplete record; ours goes on: theirs must be our prefix
+            if len(ours[0]) >= len(offs) and np.array_equal(ours[0][:len(offs)], offs):
+                walked = ours
+                if sizes is not base.sizes:
+                    self.notes.append(f"record sizes learned: {learned}")
+                    name = base.name if base.name.startswith("learned") else base.name + "+"
+                    self.layout = base.with_sizes(sizes, name)
+                break
+        if walked is None:  # no size table walks like CUPTI: take CUPTI's walk, buffer by buffer (slower)
+            self.layout = self.layout or base.with_sizes({**base.sizes, **learned}, base.name)
+            note = "the size walk disagrees with cuptiActivityGetNextRecord: CUPTI's walk is used"
+            if note not in self.notes:
+                self.notes.append(note)
+            return offs, kinds
+        self.validated = True
+        return walked
 
     def name(self, pointer: int) -> str:
         text = self.names.get(pointer)
@@ -157,13 +186,16 @@ class CuptiCollector:
 
     def __init__(self):
         self._session: _Session | None = None
-        self._carried: list[tuple[int, dict]] = []  # GPU records still waiting for their launch record
-        self._api: dict = {}  # launch records not yet matched (a kernel's record may come later)
-        self._lock = threading.Lock()
+        self._join = records.LaunchJoin(wait=CARRY_COLLECTS, keep=KEEP_CALLS_COLLECTS)
+        self._enabled = False
+        self._lock = threading.Lock()  # collect() against close()
 
     def _ready(self) -> _Session:
         if self._session is None:
-            self._session = _Session.get()
+            s = _Session.get()
+            # tops the buffer pool up again after an earlier collector's close(); no-op when full
+            s.shim.lib.ovs_configure(BUFFER_BYTES, PREALLOCATED_BUFFERS)
+            self._session = s
         return self._session
 
     def describe(self) -> dict:
@@ -171,27 +203,35 @@ class CuptiCollector:
         if s is None:
             return {"backend": "cupti"}
         return {"backend": "cupti (native shim)", "libcupti": s.cupti.path, "cupti_version": s.version,
-                "layout": s.layout.name if s.layout else None,
+                "layout": s.layout.name if s.layout else None, "api_filter": API_FILTER,
                 "clock": "CLOCK_MONOTONIC callback" if s.monotonic else "CUPTI clock, mapped",
                 "clock_error_ns": max(c.error_ns for c in s.clock), "notes": list(s.notes),
-                "shim": s.shim.stats()}
+                "invalid_records": self._join.invalid, "shim": s.shim.stats()}
 
     def enable(self) -> None:
+        """Engine thread, step boundary: a few ctypes calls into CUPTI (the first call also sets CUPTI up
+        for the process, see _Session). Never synchronizes or flushes."""
         try:
             self._ready().set_enabled(True)
         except native.CuptiError as e:
             raise KernelTimingError(str(e)) from None
+        self._enabled = True
 
     def disable(self) -> None:
+        """Engine thread, step boundary: switches the kinds off; records already made are collected later."""
         if self._session is not None:
+            self._enabled = False
             self._session.set_enabled(False)
 
     def collect(self, *, final: bool = False) -> dict | None:
+        """Drain thread: flush, parse every completed buffer, join to launch calls; kernels-table columns
+        on the host clock, or None when there is nothing. `final` forces CUPTI to hand over every buffer
+        and lets no record wait for its call."""
         s = self._session
         if s is None:
             return None
         with self._lock:
-            s.cupti.call("cuptiActivityFlushAll", 1 if final else 0)
+            s.cupti.call("cuptiActivityFlushAll", 1 if final else 0)  # 1: CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
             gpu_parts, api_parts = [], []
             buffers = []
             while chunk := s.shim.take_completed():
@@ -202,7 +242,7 @@ class CuptiCollector:
                         view = np.ctypeslib.as_array((ctypes.c_uint8 * valid).from_address(addr))
                         offsets = s.offsets(addr, valid)
                         gpu, api = records.parse(view, s.layout or records.CUPTI_13_0, *offsets)
-                        gpu_parts.append(gpu)
+                        gpu_parts.append(gpu)  # parse copies: the buffer can go back to the pool
                         api_parts.append(api)
             finally:
                 for addr, _ in buffers:
@@ -210,40 +250,8 @@ class CuptiCollector:
                         s.shim.lib.ovs_recycle(addr)
             if not s.monotonic:
                 s.clock.append(s.sample_clock())
-            return self._columns(s, gpu_parts, api_parts, final=final)
-
-    def _columns(self, s: _Session, gpu_parts: list[dict], api_parts: list[dict], *,
-                 final: bool) -> dict | None:
-        """Join the GPU records to their launch calls. A record whose call has not arrived yet (another
-        buffer) waits up to CARRY_COLLECTS collects; calls are kept as long, since the kernels of one graph
-        launch share theirs and may come in later buffers."""
-        gpu = records.concat([g for _, g in self._carried] + gpu_parts)
-        gpu_age = np.concatenate([np.full(len(g["start"]), age) for age, g in self._carried]
-                                 + [np.zeros(len(g["start"]), np.int64) for g in gpu_parts]) if gpu else None
-        fresh_api = records.concat(api_parts)
-        if fresh_api:  # keep the calls that put work on the GPU; the others (most of them) go now
-            launch = np.where(fresh_api["driver"], np.isin(fresh_api["cbid"], list(DRIVER_LAUNCH_CBIDS)),
-                              np.isin(fresh_api["cbid"], list(RUNTIME_LAUNCH_CBIDS)))
-            fresh_api = {k: v[launch] for k, v in fresh_api.items()}
-            fresh_api["age"] = np.zeros(len(fresh_api["start"]), np.int64)
-        api = records.concat([self._api, fresh_api])
-        self._carried = []
-        out = None
-        if gpu:
-            match = records.join_launches(gpu["correlation"], api)
-            waiting = (match < 0) & (gpu_age < CARRY_COLLECTS) if not final else np.zeros(len(match), bool)
-            if waiting.any():
-                self._carried = [(int(gpu_age[waiting].min()) + 1, {k: v[waiting] for k, v in gpu.items()})]
-            keep = ~waiting
-            if keep.any():
-                out = self._rows(s, {k: v[keep] for k, v in gpu.items()}, match[keep], api)
-        if api and not final:
-            api["age"] = api["age"] + 1
-            young = api["age"] <= CARRY_COLLECTS
-            self._api = {k: v[young] for k, v in api.items()}
-        else:
-            self._api = {}
-        return out
+            gpu, match, calls = self._join.step(gpu_parts, api_parts, final=final)
+            return self._rows(s, gpu, match, calls) if gpu else None
 
     @staticmethod
     def _rows(s: _Session, gpu: dict, match: np.ndarray, api: dict) -> dict:
@@ -275,6 +283,16 @@ class CuptiCollector:
         return names.tolist()
 
     def close(self) -> None:
-        """Drop what is left. CUPTI's callbacks stay registered (they cannot be removed): a later
-        collector in this process reuses them."""
-        self._carried, self._api = [], {}
+        """Drop what is left and free the idle buffers. CUPTI's callbacks stay registered: CUPTI has no
+        call that unregisters them (nor the timestamp callback), so the session stays for the process and a
+        later collector reuses it."""
+        s = self._session
+        if s is not None and self._enabled:
+            try:
+                self.disable()
+            except native.CuptiError:
+                pass
+        with self._lock:
+            self._join = records.LaunchJoin(wait=CARRY_COLLECTS, keep=KEEP_CALLS_COLLECTS)
+            if s is not None:
+                s.shim.lib.ovs_release_free()  # buffers CUPTI still holds are never freed

@@ -267,22 +267,23 @@ class Cupti:
     def fnptr(self, name: str) -> int:
         return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
 
-    def next_record_offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
-        """Authoritative walk with cuptiActivityGetNextRecord (one ctypes call per record)."""
+    def next_record_offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """CUPTI's own walk (cuptiActivityGetNextRecord, one ctypes call a record): offsets, kinds, and the
+        end of the last record: `valid`, or None when an incomplete record stopped the walk (then the
+        last record's size is unknown)."""
         rec = ctypes.c_void_p(None)
         offs, kinds = [], []
         f = self.lib.cuptiActivityGetNextRecord
+        end: int | None = valid
         while True:
             rc = f(addr, valid, ctypes.byref(rec))
             if rc == CUPTI_ERROR_MAX_LIMIT_REACHED:
                 break
-            if rc == CUPTI_ERROR_INVALID_KIND:  # incomplete/invalid record: stop, as documented
+            if rc == CUPTI_ERROR_INVALID_KIND:  # incomplete or invalid record: CUPTI's walk ends here
+                end = None
                 break
             if rc != CUPTI_SUCCESS:
                 raise CuptiError(f"cuptiActivityGetNextRecord -> {rc} ({self.err(rc)})")
-            o = rec.value - addr
-            offs.append(o)
+            offs.append(rec.value - addr)
             kinds.append(ctypes.c_uint32.from_address(rec.value).value)
-        return np.asarray(offs, np.int64), np.asarray(kinds, np.int32)
-
-
+        return np.asarray(offs, np.int64), np.asarray(kinds, np.int32), end

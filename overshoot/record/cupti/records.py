@@ -99,14 +99,15 @@ def walk(raw, sizes: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(offsets, np.int64), np.asarray(kinds, np.int32)
 
 
-def learn_sizes(offsets: np.ndarray, kinds: np.ndarray, valid: int) -> dict:
-    """kind -> size from record offsets (cuptiActivityGetNextRecord's); a kind whose records differ in size
-    means they are not packed back to back, which no size table can walk."""
+def learn_sizes(offsets: np.ndarray, kinds: np.ndarray, valid: int | None) -> dict:
+    """kind -> size from record offsets (cuptiActivityGetNextRecord's); `valid` is where the last record
+    ends (None: unknown, its size is not learned). A kind whose records differ in size means they are not
+    packed back to back, which no size table can walk."""
     sizes: dict = {}
     for kind, size in zip(np.asarray(kinds)[:-1].tolist(), np.diff(offsets).tolist(), strict=True):
         if sizes.setdefault(kind, size) != size:
             raise LayoutError(f"kind {kind}: records of {sizes[kind]} and {size} bytes")
-    if len(offsets):
+    if len(offsets) and valid is not None:  # the last record: what is left of the valid bytes
         sizes.setdefault(int(kinds[-1]), int(valid - offsets[-1]))
     return sizes
 
@@ -156,6 +157,71 @@ def join_launches(gpu_correlation: np.ndarray, api: dict) -> np.ndarray:
     pos = np.searchsorted(sorted_corr, key, side="left")
     hit = (pos < len(sorted_corr)) & (sorted_corr[np.minimum(pos, len(sorted_corr) - 1)] == key) & (key != 0)
     return np.where(hit, order[np.minimum(pos, len(order) - 1)], -1)
+
+
+def launch_calls(api: dict) -> np.ndarray:
+    """Mask of the API records of calls that put work on the GPU (launches, graph launches, copies, sets)."""
+    runtime = np.isin(api["cbid"], np.fromiter(RUNTIME_LAUNCH_CBIDS, np.uint32))
+    driver = np.isin(api["cbid"], np.fromiter(DRIVER_LAUNCH_CBIDS, np.uint32))
+    return np.where(api["driver"], driver, runtime)
+
+
+def graph_launch_calls(api: dict) -> np.ndarray:
+    """Mask of the graph launches: one call, many GPU records (every kernel of the graph shares its id)."""
+    return np.where(api["driver"], np.isin(api["cbid"], (514, 515)), np.isin(api["cbid"], (311, 312)))
+
+
+def valid_times(gpu: dict) -> np.ndarray:
+    """GPU records with usable timestamps: CUPTI writes 0 when it could not time a record (no device memory
+    for it, cupti_activity.h), and a forced flush may hand over records of work not finished yet."""
+    return (gpu["start"] > 0) & (gpu["end"] >= gpu["start"])
+
+
+class LaunchJoin:
+    """Joins GPU records to their launch calls across successive buffers (numpy, no loop per record).
+
+    A kernel's record can come in a later buffer than its launch call (kernel records are per context and
+    handed over when the work is done; API records are not), or the reverse. So a GPU record without its
+    call waits up to `wait` steps before it goes out without one (NaN launch), and calls are kept `keep`
+    steps: a kernel-launch call until its record came, a graph launch for the whole time (all its
+    kernels share it). `final` lets nothing wait."""
+
+    def __init__(self, wait: int = 2, keep: int = 4):
+        self.wait, self.keep = wait, keep
+        self.gpu: dict = {}  # GPU records waiting for their call, with "age" (steps waited)
+        self.api: dict = {}  # launch calls kept, with "age"
+        self.invalid = 0  # GPU records dropped for unusable timestamps
+
+    def step(self, gpu_parts: list[dict], api_parts: list[dict], *,
+             final: bool = False) -> tuple[dict, np.ndarray, dict]:
+        """(GPU records to emit, index of each one's call in the returned calls or -1, calls)."""
+        gpu = concat([self.gpu] + [{**g, "age": np.zeros(len(g["start"]), np.int64)} for g in gpu_parts])
+        if gpu:
+            ok = valid_times(gpu)
+            self.invalid += int((~ok).sum())
+            gpu = {k: v[ok] for k, v in gpu.items()}
+        fresh = concat(api_parts)
+        if fresh:  # only launch calls are kept; the others (most API records) go now
+            fresh = {k: v[launch_calls(fresh)] for k, v in fresh.items()}
+            fresh["age"] = np.zeros(len(fresh["start"]), np.int64)
+        api = concat([self.api, fresh])
+        n = len(gpu["start"]) if gpu else 0
+        match = join_launches(gpu["correlation"], api) if n else np.zeros(0, np.int64)
+        waiting = (match < 0) & (gpu["age"] < self.wait) if n and not final else np.zeros(n, bool)
+        self.gpu = {k: v[waiting] for k, v in gpu.items()} if waiting.any() else {}
+        if self.gpu:
+            self.gpu["age"] = self.gpu["age"] + 1
+        out = {k: v[~waiting] for k, v in gpu.items()} if n and not waiting.all() else {}
+        match = match[~waiting]
+        self.api = {}
+        if api and not final:
+            spent = np.zeros(len(api["start"]), bool)
+            spent[match[match >= 0]] = True
+            keep = (~spent | graph_launch_calls(api)) & (api["age"] + 1 < self.keep)
+            if keep.any():
+                self.api = {k: v[keep] for k, v in api.items()}
+                self.api["age"] = self.api["age"] + 1
+        return out, match, api
 
 
 @dataclass
