@@ -1,13 +1,17 @@
 """CUPTI activity buffers parsed on the CPU: buffers built byte by byte with the documented 13.0 layouts
 (the same offsets the collector reads on the GPU), walked, parsed, sizes learned, kernels joined to their
-launch calls; and the C shim compiles with the system compiler. The GPU side is proven on the H200
-(benchmarks/gpu_truth.py collector)."""
+launch calls across collects (NaN launch when the call never comes), the collector's output columns; and the
+C shim compiles with the system compiler and exports what native.py binds. No libcupti, no CUDA: the GPU
+side is proven on the H200 (benchmarks/cupti_probe.py, benchmarks/gpu_truth.py collector)."""
 
 from __future__ import annotations
 
 import ctypes
 import shutil
 import struct
+import sys
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,12 +19,15 @@ import pytest
 from overshoot.record.cupti import native, records
 from overshoot.record.cupti.records import (
     CUPTI_13_0,
+    CUPTI_13_5,
     KIND_CONCURRENT_KERNEL,
     KIND_DRIVER,
     KIND_MEMCPY,
     KIND_MEMSET,
     KIND_RUNTIME,
 )
+
+needs_cc = pytest.mark.skipif(native.find_c_compiler() is None, reason="no C compiler")
 
 
 def kernel(start, end, stream, corr, name_ptr=0xABC):
@@ -105,7 +112,7 @@ def test_clock_brackets_and_mapping():
     assert (mapped - np.array([955, 500_955, 1_000_955])).tolist() == [1050, 1100, 1150]
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@needs_cc
 def test_the_shim_compiles_and_keeps_its_buffer_pool(tmp_path):
     shim = native.Shim(native.build_shim(str(tmp_path)))
     assert native.build_shim(str(tmp_path)) == shim.path  # cached by source hash
@@ -123,13 +130,162 @@ def test_the_shim_compiles_and_keeps_its_buffer_pool(tmp_path):
     shim.lib.ovs_recycle(addr)
     assert shim.stats()["completed"] == 1 and shim.take_completed() == []
     now = shim.lib.ovs_monotonic_ns()
-    import time
-
     assert abs(now - time.perf_counter_ns()) < 5_000_000  # the same clock as perf_counter_ns
 
 
 def test_unavailable_reason_without_cuda_is_one_line():
     from overshoot.record.cupti import unavailable_reason
 
+    had_torch = "torch" in sys.modules
     reason = unavailable_reason(cuda=False)
     assert reason and "\n" not in reason and "CUDA GPU" in reason
+    assert ("torch" in sys.modules) == had_torch  # answering must not import torch
+
+
+def test_a_zeroed_tail_ends_the_walk_and_an_empty_buffer_parses_to_empty_columns():
+    offsets, kinds = records.walk(api(1, 2, 3) + bytes(512), CUPTI_13_0.sizes)
+    assert offsets.tolist() == [0] and kinds.tolist() == [KIND_RUNTIME]
+    gpu, calls = records.parse(b"", CUPTI_13_0, *records.walk(b"", CUPTI_13_0.sizes))
+    assert len(gpu["start"]) == 0 and len(calls["cbid"]) == 0 and gpu["start"].dtype == np.uint64
+
+
+def test_an_unknown_kind_or_a_cut_record_is_refused():
+    buf = bytearray(api(1, 2, 3) + kernel(4, 5, 6, 3))
+    struct.pack_into("<I", buf, 40, 99)
+    with pytest.raises(records.LayoutError):
+        records.walk(bytes(buf), CUPTI_13_0.sizes)
+    with pytest.raises(records.LayoutError):
+        records.walk(api(1, 2, 3) + kernel(4, 5, 6, 3)[:-8], CUPTI_13_0.sizes)
+
+
+def test_13_5_records_are_larger_with_the_same_offsets():
+    big = CUPTI_13_5.sizes[KIND_CONCURRENT_KERNEL]
+    tail = b"\xee" * (big - 216)  # the fields 13.5 added
+    buf = api(10, 20, 5) + kernel(30, 40, 3, 5) + tail + api(50, 60, 6, cbid=307, driver=True)
+    offsets, kinds = records.walk(buf, CUPTI_13_5.sizes)
+    assert kinds.tolist() == [KIND_RUNTIME, KIND_CONCURRENT_KERNEL, KIND_DRIVER]
+    gpu, calls = records.parse(buf, CUPTI_13_5, offsets, kinds)
+    assert gpu["start"].tolist() == [30] and gpu["correlation"].tolist() == [5]
+    assert calls["cbid"].tolist() == [211, 307]
+    with pytest.raises(records.LayoutError):  # the 13.0 table must not walk it
+        records.walk(buf, CUPTI_13_0.sizes)
+    # CUPTI's walk stopped by an incomplete record: the last size is unknown and not learned
+    assert records.learn_sizes(offsets[:2], kinds[:2], None) == {KIND_RUNTIME: 40}
+
+
+def parsed(*recs):
+    buf = b"".join(recs)
+    return records.parse(buf, CUPTI_13_0, *records.walk(buf, CUPTI_13_0.sizes))
+
+
+def test_kernels_wait_two_collects_for_their_launch_call_then_go_without():
+    join = records.LaunchJoin(wait=2, keep=4)
+    # collect 1: a kernel whose call comes next time, one that never gets one, a non-launch call
+    g1, a1 = parsed(kernel(120, 150, 3, 7), kernel(130, 160, 3, 99), api(1, 2, 50, cbid=1))
+    out, match, calls = join.step([g1], [a1])
+    assert not out
+    # collect 2: the call of 7 arrives, with a graph launch (8) and the first of its kernels
+    g2, a2 = parsed(api(100, 110, 7), api(200, 230, 8, cbid=311), kernel(240, 250, 3, 8))
+    out, match, calls = join.step([g2], [a2])
+    assert sorted(out["correlation"].tolist()) == [7, 8]
+    assert sorted(calls["start"][match].tolist()) == [100, 200]
+    assert 1 not in join.api["cbid"].tolist()  # only launch calls are kept
+    assert join.api["correlation"].tolist() == [8]  # the kernel launch's call is spent, the graph's kept
+    # collect 3: another kernel of graph launch 8; 99 has waited two collects and goes without a call
+    g3, _ = parsed(kernel(250, 270, 3, 8))
+    out, match, calls = join.step([g3], [])
+    by_corr = dict(zip(out["correlation"].tolist(), match.tolist(), strict=True))
+    assert calls["start"][by_corr[8]] == 200 and by_corr[99] == -1
+    assert not join.gpu
+
+
+def test_final_lets_nothing_wait_and_unusable_timestamps_are_dropped():
+    join = records.LaunchJoin()
+    g, a = parsed(kernel(0, 0, 3, 1), kernel(200, 100, 3, 2), kernel(10, 20, 3, 3), api(1, 2, 4, cbid=41))
+    out, match, calls = join.step([g], [a], final=True)
+    assert out["correlation"].tolist() == [3] and match.tolist() == [-1]
+    assert join.invalid == 2 and not join.gpu and not join.api
+
+
+def test_the_collector_returns_kernels_table_columns_on_the_host_clock():
+    from overshoot.record.cupti.collector import CuptiCollector
+
+    session = SimpleNamespace(monotonic=True, clock=[], name=lambda p: f"kernel@{p:x}")
+    g, a = parsed(api(100, 110, 7), kernel(120, 150, 3, 7), memcpy(300, 320, 5, 9, copy_kind=2),
+                  memset(330, 331, 5, 10), api(325, 328, 10, cbid=51))
+    out, match, calls = records.LaunchJoin().step([g], [a], final=True)
+    cols = CuptiCollector._rows(session, out, match, calls)
+    assert cols["kind"] == ["kernel", "memcpy", "memset"]
+    assert cols["name"] == ["kernel@abc", "memcpy DtoH", "memset"]
+    assert cols["launch_start_ns"][[0, 2]].tolist() == [100.0, 325.0] and np.isnan(cols["launch_end_ns"][1])
+    assert cols["gpu_start_ns"].dtype == np.int64 and cols["gpu_end_ns"].tolist() == [150, 320, 331]
+    assert cols["stream"].dtype == np.int64 and cols["correlation"].tolist() == [7, 9, 10]
+    assert {len(v) for v in cols.values()} == {3}
+
+
+@pytest.fixture(scope="module")
+def shim_build(tmp_path_factory):
+    if native.find_c_compiler() is None:
+        pytest.skip("no C compiler")
+    return native.build_shim(str(tmp_path_factory.mktemp("shim")))
+
+
+def fresh_shim(path, tmp_path) -> native.Shim:
+    copy = tmp_path / "shim.so"
+    shutil.copy(path, copy)  # another path: another dlopen, its own buffer pool
+    return native.Shim(str(copy))
+
+
+def test_the_shim_exports_what_native_binds(shim_build):
+    lib = ctypes.CDLL(shim_build)
+    for name in ("ovs_monotonic_ns", "ovs_configure", "ovs_set_dropped_fn", "ovs_buffer_requested",
+                 "ovs_buffer_completed", "ovs_take_completed", "ovs_num_completed", "ovs_buffer_size",
+                 "ovs_recycle", "ovs_release_free", "ovs_stats", "ovs_clock_pairs", "ovs_walk"):
+        assert hasattr(lib, name), name
+
+
+def test_the_c_walk_equals_the_numpy_walk(shim_build, tmp_path):
+    shim = fresh_shim(shim_build, tmp_path)
+    buf = api(1, 2, 3) + kernel(4, 5, 6, 3) + memcpy(7, 8, 9, 10) + memset(11, 12, 13, 14) + bytes(64)
+    raw = (ctypes.c_uint8 * len(buf)).from_buffer_copy(buf)
+    ours = shim.walk(ctypes.addressof(raw), len(buf), CUPTI_13_0.sizes)
+    theirs = records.walk(buf, CUPTI_13_0.sizes)
+    assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    bad = bytearray(buf)
+    struct.pack_into("<I", bad, 40, 99)
+    raw = (ctypes.c_uint8 * len(bad)).from_buffer_copy(bytes(bad))
+    with pytest.raises(records.LayoutError, match="byte 40"):
+        shim.walk(ctypes.addressof(raw), len(bad), CUPTI_13_0.sizes)
+
+
+def test_the_shim_brackets_a_timestamp_source(shim_build, tmp_path):
+    shim = fresh_shim(shim_build, tmp_path)
+    offset = 123_456_789
+    source = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))(
+        lambda p: (p.__setitem__(0, time.perf_counter_ns() - offset), 0)[1])
+    sample = records.best_bracket(*shim.clock_pairs(ctypes.cast(source, ctypes.c_void_p).value, 50))
+    assert abs(sample.offset_ns - offset) <= sample.error_ns + 1
+
+
+def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_it_lacks(shim_build, tmp_path):
+    from overshoot.record.cupti.collector import _Session
+
+    truth = {**CUPTI_13_0.sizes}
+
+    def cupti_walk(addr, valid):  # stands in for cuptiActivityGetNextRecord: the true sizes
+        return (*records.walk(ctypes.string_at(addr, valid), truth), valid)
+
+    session = _Session.__new__(_Session)
+    session.shim, session.version, session.notes = fresh_shim(shim_build, tmp_path), 120800, []
+    session.layout, session.validated = None, False
+    session.cupti = SimpleNamespace(next_record_offsets=cupti_walk)
+
+    def offsets(buf):
+        raw = (ctypes.c_uint8 * len(buf)).from_buffer_copy(buf)
+        return session.offsets(ctypes.addressof(raw), len(buf))[0].tolist()
+
+    assert offsets(api(1, 2, 3) + kernel(4, 5, 6, 3) + api(7, 8, 9)) == [0, 40, 256]  # unknown version
+    assert session.validated and session.layout.name.startswith("learned")
+    assert session.layout.sizes == {KIND_RUNTIME: 40, KIND_CONCURRENT_KERNEL: 216}
+    assert offsets(memset(1, 2, 3, 4) + api(1, 2, 3)) == [0, 88]  # a kind first seen later is learned
+    assert session.layout.sizes[KIND_MEMSET] == 88

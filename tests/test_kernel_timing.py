@@ -57,10 +57,12 @@ class VirtualCollector:
         self.closed += 1
 
 
-def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = None):
+def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = None, budget: float = 1.0,
+         collector: VirtualCollector | None = None):
     rec = Recorder(tmp_path / mode, engine="virtual", gpu_timing=mode)
-    collector = VirtualCollector()
-    rec._sampler = KernelSampler(rec, collector, mode=mode, window_steps=8, min_gap=32, drain_seconds=0.05)
+    collector = collector or VirtualCollector()
+    rec._sampler = KernelSampler(rec, collector, mode=mode, window_steps=8, min_gap=32, budget=budget,
+                                 drain_seconds=0.05)
     gpu_free = 0
     for i in range(steps):
         batch = 2 if switch_batch_at is not None and i >= switch_batch_at else 1
@@ -117,3 +119,20 @@ def test_kernel_timing_without_cuda_is_refused_in_one_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "overshoot", "run", "--gpu-timing", "fast"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown mode 'fast'" in bad.stderr
+
+
+class CostlySwitch(VirtualCollector):
+    def enable(self) -> None:
+        super().enable()
+        spin(2_000_000)  # 2 ms to switch on: the sampler must space its windows to pay for it
+
+
+def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_path):
+    collector, run = _run(tmp_path, "sampled", steps=300, budget=0.05, collector=CostlySwitch())
+    windows = run.kernel_windows.sort_values("start_ns")
+    steps = load_run(tmp_path / "sampled").steps.sort_values("start_ns")
+    plain_ns = float((steps["end_ns"] - steps["start_ns"]).median())
+    # a 2 ms switch over 5% of the time between windows: gaps of at least 2e6 / (0.05 x step) steps
+    gap_steps = [int(((steps["start_ns"] > a) & (steps["start_ns"] < b)).sum())
+                 for a, b in zip(windows["end_ns"][:-1], windows["start_ns"][1:], strict=True)]
+    assert len(windows) >= 2 and min(gap_steps) >= 0.9 * 2e6 / (0.05 * plain_ns), (gap_steps, plain_ns)

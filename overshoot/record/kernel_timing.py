@@ -147,12 +147,14 @@ class KernelSampler:
         """Plain steps before the next window, so that what a window cost (its steps' slowdown and its two
         switches, measured) is `budget` of the time until the next one; at least min_gap."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
-        if not self._plain:
+        # Before any plain step (the first window opens at once) the steps inside stand for plain ones.
+        baseline = list(self._plain) or inside
+        if not baseline:
             return self.min_gap
-        plain = sum(self._plain) / len(self._plain)
+        plain = sum(baseline) / len(baseline)
         if plain <= 0:
             return self.min_gap
-        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if inside else 0.0
+        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
         self.cost_ratio = ratio
         cost_ns = len(inside) * ratio * plain + self._switch_ns
         return max(self.min_gap, int(cost_ns / (self.budget * plain)))
