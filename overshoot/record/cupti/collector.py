@@ -2,10 +2,10 @@
 
 Costs by caller:
 - engine thread, at a step boundary: `enable()` / `disable()` switch five CUPTI activity kinds (five ctypes
-  calls, a few µs); never a synchronize or a flush. The first `enable()` of the process also sets CUPTI up
-  (_Session: load libcupti, build or load the shim, register callbacks; ~0.1 s, more on a first build).
-  While enabled CUPTI itself adds work to every launch (benchmarks/cupti_probe.py measures it: about
-  1.3 µs a launch on the H200 with every API record, 2026-12-03).
+  calls; 0.11 / 0.07 ms on the H200, CUPTI's own work); never a synchronize or a flush. The first
+  `enable()` of the process also sets CUPTI up (_Session: load libcupti, build or load the shim, register
+  callbacks; 0.3 s with a first build of the shim). While enabled CUPTI adds work to every launch: +1.3 to
+  1.5 µs a tiny eager launch on the H200 (benchmarks/cupti_probe.py, 2026-12-04).
 - drain thread, every ~0.5 s: `collect()` flushes completed buffers, walks them in C, parses with numpy,
   joins each kernel to its launch call by correlation id (records.LaunchJoin): no Python per record, only
   per buffer and per unique kernel name. A GPU record whose call has not arrived waits up to two collects,
@@ -209,8 +209,8 @@ class CuptiCollector:
                 "invalid_records": self._join.invalid, "shim": s.shim.stats()}
 
     def enable(self) -> None:
-        """Engine thread, step boundary: a few ctypes calls into CUPTI (the first call also sets CUPTI up
-        for the process, see _Session). Never synchronizes or flushes."""
+        """Engine thread, step boundary: five ctypes calls into CUPTI, ~0.1 ms (the first call also sets
+        CUPTI up for the process, see _Session). Never synchronizes or flushes."""
         try:
             self._ready().set_enabled(True)
         except native.CuptiError as e:
