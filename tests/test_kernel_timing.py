@@ -128,7 +128,7 @@ class CostlySwitch(VirtualCollector):
 
 
 def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_path):
-    collector, run = _run(tmp_path, "sampled", steps=300, budget=0.05, collector=CostlySwitch())
+    collector, run = _run(tmp_path, "sampled", steps=600, budget=0.05, collector=CostlySwitch())
     windows = run.kernel_windows.sort_values("start_ns")
     steps = load_run(tmp_path / "sampled").steps.sort_values("start_ns")
     plain_ns = float((steps["end_ns"] - steps["start_ns"]).median())
