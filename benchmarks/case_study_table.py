@@ -14,8 +14,8 @@ preset) GPU idle is n/a: no CUDA events.
 
 `--gpu-timing` picks overshoot's GPU timing in the server (default auto: sampled kernel records on a GPU).
 `--truth` adds, per configuration, an independent measurement in a separate process
-(benchmarks/gpu_truth.py engine): torch.profiler's kernel busy time per decode step over the step time of
-plain steps, and the difference from overshoot's GPU idle share in points.
+(benchmarks/gpu_truth.py engine): torch.profiler's kernel busy time per decode step over the server's
+plain decode step.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     row |= {key: group.get(key) for key in keys}
     if args.truth:
         row |= profiler_truth(flags, args)
+        if row.get("profiler_busy_ms") and row.get("step_ms_median"):
+            # the profiler's kernel time over this server's plain decode step: its own process generates
+            # without the HTTP server and its step is faster, so its per-token time is no step time here
+            row["profiler_idle_pct"] = 100 * (1 - row["profiler_busy_ms"] / row["step_ms_median"])
     return row
 
 
