@@ -1,7 +1,7 @@
 """The `overshoot` command line: report, export and run.
 
 Starts fast: pandas/pyarrow are imported inside the commands that need them, torch never, and `run` (owned by
-overshoot/run_cmd.py) is imported only when that command is invoked. Bad input ends with one line on stderr
+overshoot/run/command.py) is imported only when that command is invoked. Bad input ends with one line on stderr
 and a non-zero exit, never a traceback.
 """
 

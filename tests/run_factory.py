@@ -1,4 +1,4 @@
-"""Run dirs with exactly known content, written through the real spool writer (overshoot/spool.py).
+"""Run dirs with exactly known content, written through the real spool writer (overshoot/rundir/spool.py).
 
 `simulate_timeline` computes an engine timeline arithmetically (a virtual clock, no sleeping), so analyzer and
 report tests can assert exact numbers; tests that need a live engine thread use tests/synthetic_engine.py.

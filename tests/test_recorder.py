@@ -228,7 +228,7 @@ def _play(rec, ops, use_with: bool) -> None:
 
 
 def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch):
-    """The `with` scopes inline the begin/end code (overshoot/_scopes.py): on the same clock readings both
+    """The `with` scopes inline the begin/end code (record/scopes.py): on the same clock readings both
     forms must write identical spans and steps, misuse included."""
     import overshoot.record.recorder
     import overshoot.record.scopes

@@ -1,4 +1,4 @@
-"""The summary of a run's steps table (overshoot/steps.py) per group: medians, CPU-bound share, GPU idle, the
+"""The summary of a run's steps table (analysis/steps.py) per group: medians, CPU-bound share, GPU idle, the
 scheduling mode and the what-if projections, plus the notes a report prints.
 
 Everything here is vectorised pandas/numpy; the only sequential part (the what-if replay) lives in whatif.py.

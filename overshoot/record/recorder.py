@@ -2,10 +2,10 @@
 
 Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
 `time.perf_counter_ns()` once, and allocates nothing but the clock's int. `rec.busy("x")` returns a context
-manager cached per label, built to cost about what the begin/end pair costs (overshoot/_scopes.py).
+manager cached per label, built to cost about what the begin/end pair costs (record/scopes.py).
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
 idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT
-(overshoot/lifecycle.py). A flush between steps is recorded as a busy span labelled
+(record/lifecycle.py). A flush between steps is recorded as a busy span labelled
 "overshoot:flush" at step -1, so its cost is visible and never inflates a step.
 
 Semantics (docs/contracts.md section 1):
@@ -169,7 +169,7 @@ class Recorder:
         self._flushing_ident: int | None = None
         self._last_flush_ns = perf_counter_ns()
         self._closed = False
-        # `rec.busy(label)` is the scope cache's own __getitem__: a C call, no Python frame (_scopes.py).
+        # `rec.busy(label)` is the scope cache's own __getitem__: a C call, no Python frame (scopes.py).
         self.busy = ScopeCache(lambda label: self._scope(BUSY, label)).__getitem__
         self._wait_scopes = ScopeCache(lambda label: self._scope(WAIT, label))
         self._idle_scope = IdleScope(self)

@@ -1,4 +1,4 @@
-"""On-disk spool: chunked Arrow IPC streams, written by the Recorder (through recorder_io.py), read back
+"""On-disk spool: chunked Arrow IPC streams, written by the Recorder (through record/writer.py), read back
 tolerantly.
 
 Layout (docs/contracts.md section 2)::
