@@ -1,7 +1,7 @@
 """overshoot: is my LLM server's decode step CPU-bound or GPU-bound, step by step?
 
-`from overshoot import Recorder` gives the timer API (overshoot/record/recorder.py). The package import itself is
-kept light on purpose: it loads neither torch nor pandas (nor pyarrow), so `overshoot report` starts fast and
+`from overshoot import Recorder` gives the timer API (overshoot/record/recorder.py). The package import
+itself is kept light on purpose: it loads neither torch nor pandas (nor pyarrow), so `overshoot report` starts fast and
 a patched engine pays only for what it uses.
 """
 

@@ -1,8 +1,8 @@
 """The `overshoot` command line: report, export and run.
 
 Starts fast: pandas/pyarrow are imported inside the commands that need them, torch never, and `run` (owned by
-overshoot/run/command.py) is imported only when that command is invoked. Bad input ends with one line on stderr
-and a non-zero exit, never a traceback.
+overshoot/run/command.py) is imported only when that command is invoked. Bad input ends with one line on
+stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The writing side of one recorder: its `{pid}-{tag}.json` and its chunks, built from the recorder's
-Python-list buffers into Arrow arrays without pandas (overshoot/rundir/spool.py has the format and the reader).
+Python-list buffers into Arrow arrays without pandas (overshoot/rundir/spool.py has the format and the
+reader).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
                       tile: int = 64) -> int:
     """Splits per (sequence, KV head): ~4 programs per SM, at least two `tile`-token tiles each, at most 32.
 
-    Tuned on an H200 (132 SMs, qwen3-4b shapes, two-level merge, `benchmarks/engine/kernels.py` sweep, 2026-12-01),
+    Tuned on an H200 (132 SMs, qwen3-4b shapes, two-level merge, `benchmarks/engine/kernels.py` sweep,
+    2026-12-01),
     graph-replayed us with the tiles of `choose_tile`: B=1 ctx 1024 -> 8 splits (9.9; 9.5 at 4), ctx 4096 ->
     32 (13.8), ctx 16384 -> 32 (23.4); B=8 ctx 1024 -> 4 (15.1), ctx 4096 -> 8 (42.6), ctx 16384 -> 8 (133;
     120 at 32, but 8 already fill the SMs at that batch).
@@ -325,7 +326,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_decode_attention.
 
-    `tiles` = (tokens per tile, pipeline stages) overrides the defaults (benchmarks/engine/kernels.py sweeps them).
+    `tiles` = (tokens per tile, pipeline stages) overrides the defaults (benchmarks/engine/kernels.py sweeps
+    them).
 
     `num_splits` overrides the automatic choice. `dot_fp32` runs the two matmuls on fp32 operands (bf16
     values are exact in tf32, and p keeps 10 mantissa bits instead of 7); it is forced under the Triton

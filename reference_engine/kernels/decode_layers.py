@@ -28,8 +28,8 @@ down tile of a layer resets that layer's flags (every reader of them has finishe
 last layer the dispatch counter: graph replays reuse them. The same limit as fused_mlp.py: two of these
 launches must not run at once on one device (their programs would take each other's roles). With
 OPTIONS["trace"] set the launch also stamps, per layer, when its latest (or earliest) program passes each of
-TRACE_EVENTS (the GPU's global timer; a logical clock in the interpreter): see benchmarks/engine/decode_layers.py
---trace.
+TRACE_EVENTS (the GPU's global timer; a logical clock in the interpreter): see
+benchmarks/engine/decode_layers.py --trace.
 
 On the H200 (docs/benchmarks.md) a qwen3-4b layer takes 58.7 us at 170 tokens (61.5 at 1024) against
 64.2-64.6 (69.7-70.1) at two launches a layer (floor 47.2-47.5), and an eager step drops from 10.7 to 2.7-3.3
@@ -76,8 +76,8 @@ _O_WHOLE_BYTES = 256
 # the merge's round trips (partials, fence, ticket, their loads) cost ~3 us a layer, a loop trip ~1 (H200, us
 # a layer at 32 / 64 / 96 tokens: 55.5 / 56.6 / 57.5 against 58.8 / 58.9 at 64 / 96 with a split a tile).
 _SOLO_TILES = 3
-# Benchmark switches (benchmarks/engine/decode_layers.py): "skip" 2 makes o_proj not wait for attention, 4 gate_up
-# for h, 8 down for act, 16 qkv for the layer's input (wrong results: what each dependency costs);
+# Benchmark switches (benchmarks/engine/decode_layers.py): "skip" 2 makes o_proj not wait for attention, 4
+# gate_up for h, 8 down for act, 16 qkv for the layer's input (wrong results: what each dependency costs);
 # "o_proj_whole" False walks o_proj's K chunks as attention fills them;
 # "maxnreg" caps the registers a thread (128: 4 programs an SM, some spilled, slower; docs/benchmarks.md).
 # "trace": an int64 tensor from new_trace() to stamp TRACE_EVENTS into (None: no trace code compiled in).
@@ -95,7 +95,8 @@ _MERGE_CHUNK = 16
 _MERGE_GROUP = 16
 
 
-# Trace points (benchmarks/engine/decode_layers.py --trace): per layer, the latest (or earliest) program past each.
+# Trace points (benchmarks/engine/decode_layers.py --trace): per layer, the latest (or earliest) program past
+# each.
 TRACE_EVENTS = (
     ("qkv tile done", "latest"),
     ("attention split past its wait", "latest"),
