@@ -1,8 +1,8 @@
 """overshoot: is my LLM server's decode step CPU-bound or GPU-bound, step by step?
 
 `from overshoot import Recorder` gives the timer API (overshoot/record/recorder.py). The package import
-itself is kept light on purpose: it loads neither torch nor pandas (nor pyarrow), so `overshoot report` starts fast and
-a patched engine pays only for what it uses.
+itself is kept light on purpose: it loads neither torch nor pandas (nor pyarrow), so `overshoot report`
+starts fast and a patched engine pays only for what it uses.
 """
 
 from typing import TYPE_CHECKING

@@ -511,9 +511,9 @@ def test_decode_layers_in_one_launch(context, monkeypatch):
 
 
 def test_decode_layers_trace(monkeypatch):
-    """The launch's trace (benchmarks/engine/decode_layers.py --trace): the same output bits, every trace point
-    of every layer stamped once per launch, and the stamps in the order the dependencies (or a program's own
-    order) force on any device: o_proj's first wait ends after the last attention output is counted and
+    """The launch's trace (benchmarks/engine/decode_layers.py --trace): the same output bits, every trace
+    point of every layer stamped once per launch, and the stamps in the order the dependencies (or a program's
+    own order) force on any device: o_proj's first wait ends after the last attention output is counted and
     after its weights arrived, which was after it drew its role; gate_up ends after o_proj, down after
     gate_up, and the next layer's qkv after down."""
     from reference_engine.kernels import decode_layers
