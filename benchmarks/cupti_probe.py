@@ -237,6 +237,16 @@ def section_a(torch, col) -> dict:
     return res
 
 
+def launch_loop(torch, y, launches: int) -> float:
+    """Host ns a launch of `launches` tiny eager kernels (the sync after the timed part)."""
+    t0 = pc()
+    for _ in range(launches):
+        y.add_(1.0)
+    t1 = pc()
+    torch.cuda.synchronize()
+    return (t1 - t0) / launches
+
+
 def section_b(torch, col, launches: int, rounds: int) -> dict:
     import numpy as np
 
@@ -244,12 +254,7 @@ def section_b(torch, col, launches: int, rounds: int) -> dict:
 
     def loop() -> float:
         torch.cuda.synchronize()
-        t0 = pc()
-        for _ in range(launches):
-            y.add_(1.0)
-        t1 = pc()
-        torch.cuda.synchronize()
-        return (t1 - t0) / launches
+        return launch_loop(torch, y, launches)
 
     loop()
     col.enable()  # CUPTI's per-kernel setup outside the timed rounds
@@ -318,12 +323,7 @@ def section_d(torch, launches: int) -> dict:
     y = torch.zeros(1, device="cuda")
 
     def loop() -> float:
-        t0 = pc()
-        for _ in range(launches):
-            y.add_(1.0)
-        t1 = pc()
-        torch.cuda.synchronize()
-        return (t1 - t0) / launches
+        return launch_loop(torch, y, launches)
 
     loop()
     off = statistics.median(loop() for _ in range(2))

@@ -1,6 +1,5 @@
 """GPU truth inside the step, proven against set durations and an independent kernel timeline (issue 21).
 
-    python benchmarks/gpu_truth.py collector                               # the CUPTI collector alone
     python benchmarks/gpu_truth.py synthetic [--steps 300] [--out DIR]     # needs CUDA
     python benchmarks/gpu_truth.py engine --flags="--graph eager --kernels torch" [--batch 1]   # one config
 
@@ -10,10 +9,6 @@ previous step's), from launch-bound to GPU-bound. Recorded through the Recorder 
 overshoot's per-step GPU busy, idle share and CPU-bound share are compared with (a) the settings and (b)
 torch.profiler's kernel timeline of the same loop in a separate process (one CUPTI client per process). The
 what-ifs are compared with actual reruns with kernels 10% shorter and with the CPU's spins 10% shorter.
-
-collector: the CUPTI collector on its own: every eager kernel, graph kernel, copy and set found with its
-launch call (counts against what was launched; each kernel inside its CUDA-event bracket), its cost per launch
-(20,000 tiny launches a round, off and on alternating) and its clock error.
 
 engine: the reference engine in-process, greedy decode at a fixed batch: median decode step of plain steps
 (no instrumentation) and torch.profiler's kernel busy time per decode step (union of kernel/copy intervals
@@ -33,8 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
@@ -253,90 +246,6 @@ def print_synthetic(rows: list[dict]) -> None:
               f"{r['rerun_cpu_pct']:+6.1f}")
 
 
-def collector_check(rounds: int = 3, launches: int = 20_000) -> dict:
-    import torch
-
-    from overshoot.record.cupti import CuptiCollector
-
-    x = torch.zeros(256, device="cuda")
-    col = CuptiCollector()
-    col.enable()  # one-time setup outside the timed part
-    col.disable()
-    col.collect(final=True)
-    # (a) eager kernels, each bracketed by events on the host clock
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(200)]
-    col.enable()
-    t0 = time.perf_counter_ns()
-    for ev in starts:
-        ev.record()
-        x.add_(1.0)
-    torch.cuda.synchronize()
-    col.disable()
-    eager = col.collect(final=True) or {"kind": []}
-    graph_x = torch.zeros(256, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph_x.add_(1.0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            graph_x.mul_(1.0001)
-    col.enable()
-    for _ in range(5):
-        graph.replay()
-    host = torch.empty(1 << 20, pin_memory=True)
-    dev = torch.empty(1 << 20, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    dev.zero_()
-    torch.cuda.synchronize()
-    col.disable()
-    rest = col.collect(final=True) or {"kind": [], "correlation": np.array([])}
-    names = np.array(eager.get("name", []))
-    eager_kernels = int(sum(1 for n in names if "add" in n.lower() or "elementwise" in n.lower()))
-    in_window = np.asarray(eager.get("gpu_start_ns", []), np.int64) >= t0
-    kinds = list(rest["kind"])
-    muls = [i for i, n in enumerate(rest.get("name", [])) if "mul" in n.lower()]
-    graph_corr = np.asarray(rest["correlation"])[muls]
-    # (b) cost per launch
-    def loop() -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter_ns()
-        for _ in range(launches):
-            x.add_(1.0)
-        torch.cuda.synchronize()
-        return (time.perf_counter_ns() - start) / launches
-    off, on = [], []
-    for _ in range(rounds):
-        off.append(loop())
-        col.enable()
-        on.append(loop())
-        col.disable()
-        col.collect(final=True)
-    switches = []
-    for _ in range(5):  # what switching costs the engine thread at a window's edges
-        t0 = time.perf_counter_ns()
-        col.enable()
-        t1 = time.perf_counter_ns()
-        col.disable()
-        switches.append(((t1 - t0) / 1e6, (time.perf_counter_ns() - t1) / 1e6))
-        col.collect(final=True)
-    info = col.describe()
-    return {
-        "enable_ms": statistics.median(s[0] for s in switches),
-        "disable_ms": statistics.median(s[1] for s in switches),
-        "eager_launched": 200, "eager_kernels_found": eager_kernels, "eager_in_window": int(in_window.sum()),
-        "eager_with_launch": int(np.isfinite(np.asarray(eager.get("launch_start_ns", []))).sum()),
-        "launch_before_start": bool(np.all(np.asarray(eager.get("launch_start_ns", [0]))
-                                           <= np.asarray(eager.get("gpu_start_ns", [1])))),
-        "graph_kernels": int(len(graph_corr)), "graph_launch_calls": int(len(np.unique(graph_corr))),
-        "memcpy": kinds.count("memcpy"), "memset": kinds.count("memset"),
-        "ns_per_launch_off": statistics.median(off), "ns_per_launch_on": statistics.median(on),
-        "clock_error_ns": info.get("clock_error_ns"), "clock": info.get("clock"),
-        "layout": info.get("layout"), "notes": info.get("notes"), "shim": info.get("shim"),
-    }
-
-
 def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,
                  rounds: int) -> dict:
     """Plain decode step time and torch.profiler's kernel busy per decode step of the reference engine."""
@@ -373,7 +282,6 @@ def main() -> int:
     s = sub.add_parser("synthetic")
     s.add_argument("--steps", type=int, default=300)
     s.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    sub.add_parser("collector")
     e = sub.add_parser("engine")
     e.add_argument("--flags", default="--graph eager --kernels torch")
     e.add_argument("--preset", default="qwen3-4b")
@@ -390,16 +298,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_truth.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    if args.what == "collector":
-        result = collector_check()
-        print(json.dumps(result, indent=1))
-        print(f"\ncollector: eager {result['eager_kernels_found']}/200 kernels "
-              f"({result['eager_with_launch']} with launch), graph {result['graph_kernels']}/50 kernels over "
-              f"{result['graph_launch_calls']} launch calls, memcpy {result['memcpy']}, "
-              f"memset {result['memset']}; "
-              f"{result['ns_per_launch_off']:.0f} -> {result['ns_per_launch_on']:.0f} ns a launch; "
-              f"clock {result['clock']} +-{result['clock_error_ns']} ns")
-        return 0
     if args.what == "engine":
         print(json.dumps(engine_truth(args.flags.split(), preset=args.preset, batch=args.batch,
                                       tokens=args.tokens, prompt_len=args.prompt_len, rounds=args.rounds)))

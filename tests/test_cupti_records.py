@@ -2,7 +2,7 @@
 (the same offsets the collector reads on the GPU), walked, parsed, sizes learned, kernels joined to their
 launch calls across collects (NaN launch when the call never comes), the collector's output columns; and the
 C shim compiles with the system compiler and exports what native.py binds. No libcupti, no CUDA: the GPU
-side is proven on the H200 (benchmarks/cupti_probe.py, benchmarks/gpu_truth.py collector)."""
+side is proven on the H200 (benchmarks/cupti_probe.py)."""
 
 from __future__ import annotations
 
