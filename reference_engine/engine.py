@@ -93,7 +93,7 @@ class Engine:
         if model.config is not config:  # a shared model: bind its kernels and tables to this config
             model = model.with_config(config)
         self.model = model
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, vocab_size=config.vocab_size)
         self.bos_token_id = (
             config.bos_token_id if config.bos_token_id is not None else self.tokenizer.bos_token_id
         )
