@@ -93,7 +93,7 @@ class Engine:
         if model.config is not config:  # a shared model: bind its kernels and tables to this config
             model = model.with_config(config)
         self.model = model
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, vocab_size=config.vocab_size)
         self.bos_token_id = (
             config.bos_token_id if config.bos_token_id is not None else self.tokenizer.bos_token_id
         )
@@ -106,7 +106,10 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.buffers = StepBuffers(config, self.device)
         if config.graph != "eager" and not cuda:
-            logger.warning("graph mode %r needs CUDA; running eager on %s", config.graph, self.device)
+            # Accepted rather than refused (the case-study script runs every configuration on CPU machines
+            # too), but said once at start-up: no graph is captured here.
+            logger.warning("--graph %s needs CUDA: on %s every step runs eager and no CUDA graph is captured",
+                           config.graph, self.device)
         self.graphs = GraphCache(enabled=cuda and config.graph != "eager", stream=self.stream)
         self.runner = StepRunner(model, self.kv_caches, self.buffers, self.graphs, config)
         self.stats = EngineStats()

@@ -77,7 +77,7 @@ def _matches(value: Any, types: tuple[type, ...]) -> bool:
     return any(isinstance(value, t) for t in types if t not in (bool, int))
 
 
-def _check_type(body: dict, name: str, types: tuple[type, ...]) -> Any:
+def check_type(body: dict, name: str, types: tuple[type, ...]) -> Any:
     value = body[name]
     if not _matches(value, types):
         raise RequestError(f"'{name}' must be {_type_name(types)}, got {json.dumps(value)[:40]}", param=name,
@@ -88,7 +88,15 @@ def _check_type(body: dict, name: str, types: tuple[type, ...]) -> Any:
 def _optional(body: dict, name: str, types: tuple[type, ...], default: Any) -> Any:
     if body.get(name) is None:
         return default
-    return _check_type(body, name, types)
+    return check_type(body, name, types)
+
+
+def check_model(body: dict, served: str) -> None:
+    """A request naming another model than the one served is a 404, as OpenAI's API answers it."""
+    model = body.get("model")
+    if isinstance(model, str) and model != served:
+        raise RequestError(f"The model `{model}` does not exist; this server serves `{served}`.",
+                           param="model", code="model_not_found", status=404)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -106,30 +114,38 @@ def parse_completion_request(body: dict, *, encode, vocab_size: int, max_model_l
     if "prompt" not in body:
         raise RequestError("'prompt' is required", param="prompt", code="missing_field")
     prompt_ids = _prompt_ids(body["prompt"], encode=encode, vocab_size=vocab_size)
+    return parse_options(body, prompt_ids, unsupported=_UNSUPPORTED, max_model_len=max_model_len)
 
-    for name, (types, neutral) in _UNSUPPORTED.items():
+
+def parse_options(body: dict, prompt_ids: list[int], *, unsupported: dict, max_model_len: int,
+                  max_tokens_names: tuple[str, ...] = ("max_tokens",), id_prefix: str = "cmpl"
+                  ) -> CompletionRequest:
+    """The sampling and streaming fields both endpoints share. `unsupported`: the endpoint's fields accepted
+    at their neutral value only; `max_tokens_names`: the field(s) naming the completion's length."""
+    for name, (types, neutral) in unsupported.items():
         if name in body:
-            value = _check_type(body, name, types)
+            value = check_type(body, name, types)
             if not neutral(value):
                 raise RequestError(f"'{name}' is not supported by this server", param=name,
                                    code="unsupported_parameter")
     for name, types in _IGNORED.items():
         if body.get(name) is not None:
-            _check_type(body, name, types)
+            check_type(body, name, types)
     n = _optional(body, "n", (int,), 1)
     if n != 1:
         raise RequestError(f"only n=1 is supported, got {n}", param="n", code="unsupported_parameter")
 
-    max_tokens = _optional(body, "max_tokens", (int,), 16)
+    length_name = next((name for name in max_tokens_names if body.get(name) is not None), max_tokens_names[0])
+    max_tokens = _optional(body, length_name, (int,), 16)
     if max_tokens <= 0:
-        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens",
+        raise RequestError(f"'{length_name}' must be at least 1, got {max_tokens}", param=length_name,
                            code="invalid_value")
     if len(prompt_ids) + max_tokens > max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
             "completion). Please reduce your prompt or max_tokens.",
-            param="prompt" if len(prompt_ids) >= max_model_len else "max_tokens",
+            param="prompt" if len(prompt_ids) >= max_model_len else length_name,
             code="context_length_exceeded")
 
     temperature = float(_optional(body, "temperature", (float,), 1.0))
@@ -155,7 +171,7 @@ def parse_completion_request(body: dict, *, encode, vocab_size: int, max_model_l
         prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=max(top_k, 0), ignore_eos=_optional(body, "ignore_eos", (bool,), False),
         seed=_optional(body, "seed", (int,), None), stream=stream, include_usage=include_usage,
-        model=body.get("model"),
+        model=body.get("model"), id=f"{id_prefix}-{uuid.uuid4().hex}",
     )
 
 
@@ -205,23 +221,53 @@ def usage_chunk(req: CompletionRequest, model: str, completion_tokens: int) -> d
             "usage": usage(len(req.prompt_ids), completion_tokens)}
 
 
-class IncrementalDecoder:
-    """Token ids -> text deltas, holding back bytes of a character that is not complete yet.
+MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, and a token brings at least one
 
-    Decodes a short window (ids from the last emitted boundary), so cost per token stays constant.
+
+class IncrementalDecoder:
+    """Token ids -> text deltas. Holds back only a character that may still be incomplete: the decoded text's
+    last character when it is U+FFFD, until the ids since that character began are too many to be one
+    incomplete character (MAX_CHAR_TOKENS). Everything before it goes out at once.
+
+    Decodes a short window (from one emitted segment back, for decoders that treat a leading token
+    differently, as vLLM does), so the cost per token stays constant.
     """
 
     def __init__(self, decode) -> None:
         self._decode = decode
         self.ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0  # ids already turned into emitted text
+        self._start = 0  # window start: ids[_start:_read] were emitted in full
+        self._read = 0
+        self._sent = 0  # characters of the window's text already emitted
+        self._held_len = -1  # length of the window's text when its held-back last character appeared
+        self._held_from = 0  # ids before the push that brought it
 
     def push(self, new_ids: list[int], *, final: bool = False) -> str:
+        before = len(self.ids)
         self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
-        if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(prefix_text):]
-        return ""
+        text = self._decode(self.ids[self._start:])
+        if text.endswith("\ufffd") and not final:
+            if len(text) != self._held_len:  # a new last character: it may still complete
+                self._held_len, self._held_from = len(text), self._char_start(len(text), before)
+            if len(self.ids) - self._held_from < MAX_CHAR_TOKENS:
+                return self._emit(text[:-1])
+        delta = self._emit(text)
+        # All of the text is out: the window moves on to the ids just emitted.
+        self._start, self._read = self._read, len(self.ids)
+        self._sent = len(self._decode(self.ids[self._start:self._read]))
+        self._held_len = -1
+        return delta
+
+    def _char_start(self, length: int, before: int) -> int:
+        """The first id of the text's new last character: an output may bring several ids (speculative
+        decoding), and the character began with one of them."""
+        lowest = max(before, len(self.ids) - MAX_CHAR_TOKENS)
+        for j in range(len(self.ids) - 1, lowest, -1):
+            if len(self._decode(self.ids[self._start:j])) < length:
+                return j
+        return lowest
+
+    def _emit(self, ready: str) -> str:
+        delta = ready[self._sent:]
+        self._sent = max(self._sent, len(ready))
+        return delta

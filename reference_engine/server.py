@@ -1,4 +1,8 @@
-"""OpenAI-compatible HTTP server over the engine: POST /v1/completions, GET /v1/models, /health, /stats.
+"""OpenAI-compatible HTTP server over the engine: POST /v1/completions and /v1/chat/completions,
+GET /v1/models, /health, /stats. Every error body is OpenAI-style JSON (unknown routes and oversized bodies
+too); a request naming another model than the served one gets 404. A streamed request gets one SSE event per
+engine output (its text may be empty while a character is incomplete), then a usage event if asked for, then
+[DONE].
 
 The engine runs on its own thread; each request's outputs arrive through the engine's on_output callback (on
 that thread) and cross into asyncio with loop.call_soon_threadsafe onto the request's queue. The socket is
@@ -17,17 +21,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
-from reference_engine import protocol
+from reference_engine import chat, protocol
 from reference_engine.config import Config
 from reference_engine.protocol import CompletionRequest, RequestError
 
 logger = logging.getLogger("reference_engine.server")
 ABORT_GRACE_S = 3.0  # after aborting leftovers, how long handlers get to send their last chunk
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -51,6 +57,35 @@ class StartupError(Exception):
     """The server could not start (one-line message)."""
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between /v1/completions and /v1/chat/completions: parsing and the response bodies."""
+
+    parse: Callable[[CompletionServer, dict], CompletionRequest]
+    body: Callable[..., dict]  # (req, model, text=, finish_reason=, completion_tokens=): the whole answer
+    chunk: Callable[..., dict]  # (req, model, text=, finish_reason=, first=): one streamed event
+    usage_chunk: Callable[[CompletionRequest, str, int], dict]
+
+
+COMPLETIONS = Endpoint(
+    parse=lambda server, body: protocol.parse_completion_request(
+        body, encode=server.engine.tokenizer.encode, vocab_size=server.config.vocab_size,
+        max_model_len=server.config.max_model_len),
+    body=protocol.completion_body,
+    chunk=lambda req, model, *, text, finish_reason, first: protocol.completion_body(
+        req, model, text=text, finish_reason=finish_reason),
+    usage_chunk=protocol.usage_chunk,
+)
+CHAT = Endpoint(
+    parse=lambda server, body: chat.parse_chat_request(
+        body, template=server.chat_template, encode=server.engine.tokenizer.encode,
+        max_model_len=server.config.max_model_len),
+    body=chat.chat_body,
+    chunk=chat.chat_chunk,
+    usage_chunk=chat.chat_usage_chunk,
+)
+
+
 class CompletionServer:
     def __init__(self, config: Config, options: ServeOptions) -> None:
         self.config = config
@@ -58,6 +93,7 @@ class CompletionServer:
         self.model_name = options.model_name or (Path(config.model).name if config.model else config.preset)
         self.state = "loading"  # loading | ready | draining
         self.engine = None
+        self.chat_template: chat.ChatTemplate | None = None
         self.active: dict[str, ActiveRequest] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -105,11 +141,15 @@ class CompletionServer:
         logger.info("loading %s on %s: graph=%s kernels=%s async_scheduling=%s", self.model_name, cfg.device,
                     cfg.graph, cfg.kernels, cfg.async_scheduling)
         try:
+            self.chat_template = chat.ChatTemplate.for_model(cfg.model)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"cannot load the chat template: {exc}") from None
+        try:
             self.engine = await asyncio.to_thread(Engine, cfg)
         except Exception as exc:  # any load failure is one line, not a traceback
             raise StartupError(f"cannot load the model: {type(exc).__name__}: {exc}") from None
         self.engine.start()
-        logger.info("engine: %s", self.engine.describe())
+        logger.info("engine: %s; chat template: %s", self.engine.describe(), self.chat_template.source)
         if self.options.warmup and not self._stop.is_set():
             # Compiles kernels and captures the batch-1 graphs before the first real request (on the engine
             # thread, like any request).
@@ -140,11 +180,12 @@ class CompletionServer:
 
     # ---- HTTP
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
 
     def _engine_alive(self) -> bool:
@@ -182,15 +223,20 @@ class CompletionServer:
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         if self.state != "ready":
             loading = self.state == "loading"
             return _unavailable("the model is loading" if loading else "the server is shutting down")
         cfg = self.config
         try:
             body = protocol.parse_json(await request.read())
-            req = protocol.parse_completion_request(
-                body, encode=self.engine.tokenizer.encode, vocab_size=cfg.vocab_size,
-                max_model_len=cfg.max_model_len)
+            protocol.check_model(body, self.model_name)
+            req = endpoint.parse(self, body)
         except RequestError as err:
             return web.json_response(err.body(), status=err.status)
         limit = self.options.queue_limit
@@ -208,8 +254,8 @@ class CompletionServer:
         self.active[req.id] = active
         try:
             if req.stream:
-                return await self._stream(request, active)
-            return await self._complete(active)
+                return await self._stream(request, active, endpoint)
+            return await self._complete(active, endpoint)
         except ConnectionError:  # the client went away mid-stream
             return web.Response(status=499)
         finally:
@@ -232,7 +278,7 @@ class CompletionServer:
                                 top_k=req.top_k, ignore_eos=req.ignore_eos, seed=req.seed)
         self.engine.submit(req.prompt_ids, params, on_output=on_output, request_id=req.id)
 
-    async def _complete(self, active: ActiveRequest) -> web.Response:
+    async def _complete(self, active: ActiveRequest, endpoint: Endpoint) -> web.Response:
         decoder = protocol.IncrementalDecoder(self.engine.tokenizer.decode)
         text = []
         while True:
@@ -243,35 +289,62 @@ class CompletionServer:
                 break
         if reason == "error":
             return web.json_response(_engine_error(), status=500)
-        body = protocol.completion_body(active.request, self.model_name, text="".join(text),
-                                        finish_reason=reason, completion_tokens=len(decoder.ids))
+        body = endpoint.body(active.request, self.model_name, text="".join(text), finish_reason=reason,
+                             completion_tokens=len(decoder.ids))
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, active: ActiveRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, active: ActiveRequest, endpoint: Endpoint
+                      ) -> web.StreamResponse:
         req = active.request
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         decoder = protocol.IncrementalDecoder(self.engine.tokenizer.decode)
+        first = True
         while True:
             new_ids, finished, reason = await active.outputs.get()
+            if not new_ids and not finished:
+                continue
+            # One event per engine output, also when its text is held back (an incomplete character): a
+            # client times tokens by events.
             delta = decoder.push(new_ids, final=finished)
             if finished:
                 active.finished = True
                 if reason == "error":
                     await _send(response, _engine_error())
-                else:
-                    await _send(response, protocol.completion_body(req, self.model_name, text=delta,
-                                                                   finish_reason=reason))
+                    break
+            await _send(response, endpoint.chunk(req, self.model_name, text=delta,
+                                                 finish_reason=reason if finished else None, first=first))
+            first = False
+            if finished:
                 break
-            if delta:
-                chunk = protocol.completion_body(req, self.model_name, text=delta, finish_reason=None)
-                await _send(response, chunk)
         if req.include_usage:
-            await _send(response, protocol.usage_chunk(req, self.model_name, len(decoder.ids)))
+            await _send(response, endpoint.usage_chunk(req, self.model_name, len(decoder.ids)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404 / 405 / 413 answers are plain text: give them OpenAI-style JSON bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message, code = f"Invalid URL ({request.method} {request.path})", "not_found"
+        elif exc.status == 413:
+            message = f"request body too large: the limit is {MAX_BODY_BYTES // (1024 * 1024)} MiB"
+            code = "request_too_large"
+        elif exc.status == 405:
+            message, code = f"method {request.method} is not allowed on {request.path}", "method_not_allowed"
+        else:
+            message, code = exc.reason, None
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        body = protocol.error_body(message, error_type="invalid_request_error", code=code)
+        return web.json_response(body, status=exc.status, headers=headers)
 
 
 async def _send(response: web.StreamResponse, event: dict) -> None:

@@ -11,7 +11,7 @@ from reference_engine.engine import Engine, SamplingParams
 from reference_engine.kv_cache import allocate_kv_cache
 from reference_engine.loader import hf_state_dict, load_model, save_hf_dir
 from reference_engine.model import AttentionMetadata, Qwen3Model
-from reference_engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from reference_engine.tokenizer import HFTokenizer, SyntheticTokenizer, load_tokenizer
 
 CORPUS = ["the engine decodes one token per step", "a step is busy, waiting or idle", "hello world"] * 20
 
@@ -117,13 +117,31 @@ def test_bad_directories_fail_with_clear_messages(tmp_path):
         Config(preset="tiny", model=str(tmp_path))
 
 
-def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
-    text = "héllo, wörld ✓ 123"
+def test_synthetic_tokenizer_round_trip_and_specials():
+    tok = SyntheticTokenizer(512)
+    text = "héllo, wörld ✓ 123\n"
     ids = tok.encode(text)
     assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == text
     assert tok.encode("a", add_bos=True) == [tok.bos_token_id, 97]
-    assert tok.decode([tok.bos_token_id, 104, 105, tok.eos_token_id, 400]) == "hi"  # specials are dropped
+    assert tok.decode([tok.bos_token_id, 104, 105, tok.eos_token_id, tok.pad_token_id]) == "hi"  # specials
     assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} == {256, 257, 258}
-    assert isinstance(load_tokenizer(None), ByteTokenizer)
+    assert isinstance(load_tokenizer(None), SyntheticTokenizer)
+    assert load_tokenizer(None, vocab_size=151936).vocab_size == 151936
     assert Config(preset="tiny", device="cpu").vocab_size >= tok.vocab_size
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-4b"])
+def test_synthetic_tokenizer_covers_the_whole_vocabulary(preset):
+    """A random model samples any id of its vocabulary: each one but the three specials decodes to visible
+    text (word pieces are printable; a lone byte is itself, U+FFFD, or a control picture)."""
+    vocab = Config(preset=preset, device="cpu").vocab_size
+    tok = load_tokenizer(None, vocab_size=vocab)
+    specials = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+    pieces = {i: tok.decode([i]) for i in range(vocab) if i not in specials}
+    whitespace = {ord(c): c for c in "\t\n\r "}  # these bytes stay what they are
+    assert all(pieces[i] == c for i, c in whitespace.items())
+    invisible = [i for i, p in pieces.items() if i not in whitespace and not (p.strip() and p.isprintable())]
+    assert invisible == []
+    words = [pieces[i] for i in range(tok.first_word_id, vocab)]
+    assert all(w.startswith(" ") and w[1:].isalpha() for w in words) and len(set(words)) == len(words)
+    assert tok.decode(list(range(tok.first_word_id, tok.first_word_id + 3))) == "".join(words[:3])

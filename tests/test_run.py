@@ -119,6 +119,10 @@ def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
     assert client.groupby("concurrency").size().to_dict() == {1: 4, 4: 4}
     assert client["ok"].all() and (client["completion_tokens"] == 32).all()
     assert (client["ttft_ms"] < client["latency_ms"]).all()
+    # One event per token (the reference server, no drafts): 31 gaps per request, percentiles in order.
+    assert (client["token_events"] == 32).all() and (client["itl_ms"].map(len) == 31).all()
+    assert (client["itl_ms_p50"] <= client["itl_ms_p90"]).all()
+    assert (client["itl_ms_p90"] <= client["itl_ms_p99"]).all()
     decode = steps[steps["phase"] == "decode"]
     for level in (1, 4):
         in_level = decode[decode["concurrency"] == level]
@@ -132,6 +136,30 @@ def test_run_end_to_end_reports_and_exports(sweep, tmp_path):
     first = steps.sort_values("start_ns").drop_duplicates("load_window")["load_window"].tolist()
     assert first[:2] == ["warmup", "level"]
     assert steps["concurrency"].isna().eq(steps["load_window"] != "level").all()
+
+
+def test_first_token_arrives_with_the_prefill_not_later(sweep):
+    """TTFT is the first token event, which the prefill step produces: at one request in flight it arrives
+    before the request's first decode step ends, i.e. TTFT < queueing + prefill + first decode step (for 3 of
+    the 4 requests: a busy 2-core machine may delay one event). Steps and client share the host's clock."""
+    run_dir, _ = sweep
+    from overshoot.rundir.reader import load_run
+
+    run = load_run(run_dir)
+    steps = run.steps.sort_values("start_ns")
+    margins = []
+    for r in run.client[run.client["concurrency"] == 1].itertuples():
+        arrival = r.start_ns + r.ttft_ms * 1e6
+        later = steps[steps["start_ns"] >= r.start_ns]
+        prefill = later[later["phase"] == "prefill"].iloc[0]
+        decode = later[(later["phase"] == "decode") & (later["start_ns"] >= prefill["end_ns"])].iloc[0]
+        assert arrival > prefill["start_ns"]
+        margins.append(decode["end_ns"] - arrival)  # > 0: TTFT below prefill + first decode step
+    assert len(margins) == 4 and sorted(margins)[1] > 0, margins
+    report = json.loads(overshoot("report", run_dir, "--json").stdout)
+    level = report["client"][0]
+    assert level["itl_ms_p50"] <= level["itl_ms_p90"] <= level["itl_ms_p99"]
+    assert "ITL" in sweep[1].stdout  # the client table of the run's report
 
 
 def test_run_records_spans_and_hook_status(sweep):
@@ -241,6 +269,48 @@ def test_port_in_use(tmp_path, free_port):
     assert_clean_error(result, f"port {free_port} on 127.0.0.1 is in use")
 
 
+def test_literal_port_in_the_command_then_the_same_port_again_at_once(tmp_path, free_port):
+    """A server command with `--port N` (no {port}) is watched on N, not on 8000; right after that run its
+    port is free for the next one although the run's connections linger in TIME_WAIT."""
+    server = [sys.executable, "-m", "reference_engine", "serve", "--preset", "tiny", "--device", "cpu",
+              "--port", str(free_port)]
+    first = overshoot("run", "--concurrency", "1", "--requests", "2", "--max-tokens", "8", "--warmup", "0",
+                      "--ready-timeout", "60", "--out", tmp_path / "first", "--", *server)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"on http://127.0.0.1:{free_port}" in first.stdout
+    assert meta_of(tmp_path / "first")["options"]["port"] == free_port
+    with socket.socket() as plain:  # without SO_REUSEADDR the port reads as taken: TIME_WAIT is there
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", free_port))
+    again = overshoot("run", "--port", free_port, "--out", tmp_path / "again", "--", sys.executable, "-c",
+                      "import sys; sys.exit(3)")
+    assert_clean_error(again, "exited with code 3 before it was ready")  # not "in use"
+
+    mismatch = overshoot("run", "--port", free_port + 1, "--out", tmp_path / "x", "--", *server)
+    assert mismatch.returncode == 2 and len(mismatch.stderr.strip().splitlines()) == 1
+    assert f"--port {free_port + 1} but the server command says --port {free_port}" in mismatch.stderr
+    bad = overshoot("run", "--out", tmp_path / "x", "--", *server[:-1], "http")
+    assert bad.returncode == 2 and "the server command's --port 'http' is not a TCP port" in bad.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_embedded_default_on_a_gpu_is_one_graph_per_step_with_async_scheduling():
+    from overshoot.run.command import async_scheduling_of
+    from overshoot.run.launch import default_command
+    from reference_engine.__main__ import build_parser
+
+    def parsed(cuda: bool):
+        command = default_command(cuda=cuda, max_num_seqs=8, max_model_len=1024)
+        argv = [arg.replace("{port}", "8000") for arg in command[command.index("serve"):]]
+        return command, build_parser().parse_args(argv)
+
+    command, gpu = parsed(True)
+    assert (gpu.preset, gpu.graph, gpu.async_scheduling, gpu.device) == ("qwen3-4b", "step", True, "cuda")
+    assert async_scheduling_of(command) is True
+    _, cpu = parsed(False)
+    assert (cpu.preset, cpu.graph, cpu.async_scheduling) == ("tiny", "eager", False)
+
+
 def test_ready_timeout_stops_the_silent_server(tmp_path, free_port):
     run_dir = tmp_path / "run"
     silent = "import time; print('loading forever', flush=True); time.sleep(120)"
@@ -311,6 +381,10 @@ def test_case_study_table_runs_each_configuration_under_overshoot(tmp_path):
         assert row["cpu_bound_pct"] is None and row["gpu_timing"] == "none"
         assert 0 <= row["thread_never_waited_pct"] <= 100 and row["tok_s_per_request"] > 0
         assert (tmp_path / "runs" / row["name"] / "meta.json").exists()
+    # --graph step on a CPU is served eager, and the server says so once at start-up
+    notes = [line for line in (tmp_path / "runs" / "step-torch" / "server.log").read_text().splitlines()
+             if "no CUDA graph is captured" in line]
+    assert len(notes) == 1 and "--graph step needs CUDA: on cpu every step runs eager" in notes[0]
     table = done.stdout.splitlines()
     assert any(line.startswith("| no graphs, torch kernels | ") and "| n/a |" in line for line in table)
     assert any(line.startswith("| one graph per step, torch | ") for line in table)

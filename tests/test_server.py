@@ -118,9 +118,17 @@ def test_startup_log_models_and_health(server):
     assert health["kv_blocks_total"] > 0 and health["kv_blocks_used"] == 0
 
 
-def test_openai_client_matches_in_process_engine(server):
+@pytest.fixture(scope="module")
+def local_engine():
+    """The server's model in this process (same preset and seed: same weights), for exact expectations."""
     from reference_engine.config import Config
-    from reference_engine.engine import Engine, SamplingParams
+    from reference_engine.engine import Engine
+
+    return Engine(Config(preset="tiny", device="cpu", max_model_len=MAX_MODEL_LEN))
+
+
+def test_openai_client_matches_in_process_engine(server, local_engine):
+    from reference_engine.engine import SamplingParams
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     result = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0.0,
@@ -133,7 +141,7 @@ def test_openai_client_matches_in_process_engine(server):
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (5, 12, 17)
 
     # Same weights (same seed and preset) in this process: greedy text must be identical.
-    engine = Engine(Config(preset="tiny", device="cpu", max_model_len=MAX_MODEL_LEN))
+    engine = local_engine
     prompt = engine.tokenizer.encode("Hello")
     [ids] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert choice.text == engine.tokenizer.decode(ids)
@@ -156,6 +164,93 @@ def test_streaming_with_openai_client(server):
     assert len({c.id for c in chunks}) == 1
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
     assert usage_chunk.usage.prompt_tokens == 3
+
+
+def test_random_preset_streams_one_event_per_token_with_visible_text(server, local_engine):
+    """tiny has 512 ids: bytes, 3 specials and word pieces. Greedy output is known from the in-process engine:
+    one SSE event per token (sync, no drafts), and an event's text is empty only while a character's bytes
+    are incomplete (a byte of 0x80 and up) or for a special; every word piece shows at once."""
+    from reference_engine.engine import SamplingParams
+
+    tok = local_engine.tokenizer
+    prompts = [[7, 8, 9], tok.encode("Hello, streaming"), [300, 301, 302, 303]]
+    for prompt in prompts:
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        [ids] = local_engine.generate([prompt], greedy)
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        events = asyncio.run(_stream_events(server.url, body))
+        texts = [e["choices"][0]["text"] for e in events]
+        assert len(texts) == len(ids) == 40
+        assert "".join(texts) == tok.decode(ids) and "".join(texts).strip()
+        specials = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+        for token, text in zip(ids, texts, strict=True):
+            if token >= tok.first_word_id:  # a word piece: its event shows it
+                piece = tok.decode([token])
+                assert piece.strip() and text.endswith(piece), (token, text)
+            elif not text:
+                assert token >= 0x80 or token in specials, (token, ids)
+        assert sum(1 for t in ids if t >= tok.first_word_id) >= 5  # the test saw word pieces
+
+
+async def _stream_events(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
+    async with aiohttp.ClientSession() as session, session.post(f"{url}{path}", json=body) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_completions_with_openai_client(server, local_engine):
+    from reference_engine.chat import chatml
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=12, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-") and full.model == "tiny"
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    prompt_tokens = len(local_engine.tokenizer.encode(chatml(messages)))
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, 12)
+
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                 **kwargs))
+    deltas, usage = chunks[:-1], chunks[-1]
+    assert len(deltas) == 12 and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in deltas) == choice.message.content
+    assert deltas[-1].choices[0].finish_reason == "length" and usage.usage.completion_tokens == 12
+    # max_completion_tokens, the newer name of max_tokens
+    short = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3)
+    assert short.usage.completion_tokens <= 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    assert info.value.body["param"] == "messages[0].role"
+
+
+def test_unknown_model_route_and_big_body_get_json_errors(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    user = [{"role": "user", "content": "x"}]
+    for call in (lambda: client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2),
+                 lambda: client.chat.completions.create(model="gpt-4o", messages=user)):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert info.value.body["code"] == "model_not_found" and "gpt-4o" in info.value.body["message"]
+
+    async def raw(method: str, path: str, data: bytes | None = None) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session, session.request(
+                method, f"{server.url}{path}", data=data) as resp:
+            assert resp.content_type == "application/json"
+            return resp.status, await resp.json()
+
+    status, body = asyncio.run(raw("POST", "/v1/no-such-route", b"{}"))
+    assert status == 404 and body["error"]["message"] == "Invalid URL (POST /v1/no-such-route)"
+    status, body = asyncio.run(raw("POST", "/v1/completions", b"x" * (17 * 1024 * 1024)))
+    assert status == 413 and "16 MiB" in body["error"]["message"]
+    status, body = asyncio.run(raw("GET", "/v1/chat/completions"))
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
 
 
 def test_eight_concurrent_streams(server):

@@ -7,6 +7,15 @@ from rich.console import Console
 
 from overshoot.report.table import fmt_num, hooks_line, report_table
 
+CLIENT_METRICS = {
+    "latency_ms_median": "latency ms (median)",
+    "ttft_ms_median": "TTFT ms (median)",
+    "itl_ms_p50": "ITL ms (p50)",
+    "itl_ms_p99": "ITL ms (p99)",
+    "tokens_per_s": "output tok/s",
+    "tokens_per_s_per_request": "tok/s per request",
+}
+
 
 def _key(g: dict, keys: list[str]) -> tuple:
     return tuple(g.get(k) for k in keys)
@@ -44,8 +53,9 @@ def compare_client(a: dict, b: dict) -> list[dict]:
         if rb is None:
             continue
         row = {"concurrency": ra["concurrency"]}
-        for name in ("latency_ms_median", "ttft_ms_median", "tokens_per_s", "tokens_per_s_per_request"):
-            row[name] = {"a": ra[name], "b": rb[name], "delta": _delta(ra[name], rb[name], True)}
+        for name in CLIENT_METRICS:
+            va, vb = ra.get(name), rb.get(name)  # reports of older runs lack the ITL figures
+            row[name] = {"a": va, "b": vb, "delta": _delta(va, vb, True)}
         rows.append(row)
     return rows
 
@@ -98,23 +108,18 @@ def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None
         client = report_table("client side, per concurrency level")
         for name in ("level", "metric", "A", "B", "B vs A"):
             client.add_column(name, justify="left" if name == "metric" else "right", no_wrap=True)
-        labels = {
-            "latency_ms_median": "latency ms (median)",
-            "ttft_ms_median": "TTFT ms (median)",
-            "tokens_per_s": "output tok/s",
-            "tokens_per_s_per_request": "tok/s per request",
-        }
         for r in client_rows:
-            for i, (name, label) in enumerate(labels.items()):
+            for i, (name, label) in enumerate(CLIENT_METRICS.items()):
                 v = r[name]
                 delta = "-" if v["delta"] is None else f"{v['delta']:+.1f}%"
+                fmt = ".2f" if name.startswith("itl") else ".1f"
                 client.add_row(
                     str(r["concurrency"]) if i == 0 else "",
                     label,
-                    fmt_num(v["a"], ".1f"),
-                    fmt_num(v["b"], ".1f"),
+                    fmt_num(v["a"], fmt),
+                    fmt_num(v["b"], fmt),
                     delta,
-                    end_section=i == len(labels) - 1,
+                    end_section=i == len(CLIENT_METRICS) - 1,
                 )
         console.print(client)
     for name, rep in (("A", a), ("B", b)):

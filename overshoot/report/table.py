@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -141,7 +142,8 @@ def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
 
 
 def client_stats(client: pd.DataFrame | None) -> list[dict]:
-    """Per concurrency level: requests, errors, latency and TTFT (median, p90), output tokens/s."""
+    """Per concurrency level: requests, errors, latency and TTFT (median, p90, p99), inter-token latency over
+    every gap of the level's requests (p50, p90, p99), output tokens/s."""
     if client is None or len(client) == 0:
         return []
     rows = []
@@ -150,6 +152,8 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
         window_s = (df["end_ns"].max() - df["start_ns"].min()) / 1e9
         tokens = int(ok["completion_tokens"].sum())
         per_request = ok["completion_tokens"] / (ok["latency_ms"] / 1e3)
+        itl = _level_gaps(ok)
+        itl_p50, itl_p90, itl_p99 = np.percentile(itl, [50, 90, 99]) if len(itl) else (None,) * 3
         rows.append(
             {
                 k: _plain(v)
@@ -161,6 +165,10 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
                     "latency_ms_p90": ok["latency_ms"].quantile(0.9),
                     "ttft_ms_median": ok["ttft_ms"].median(),
                     "ttft_ms_p90": ok["ttft_ms"].quantile(0.9),
+                    "ttft_ms_p99": ok["ttft_ms"].quantile(0.99),
+                    "itl_ms_p50": itl_p50,
+                    "itl_ms_p90": itl_p90,
+                    "itl_ms_p99": itl_p99,
                     "output_tokens": tokens,
                     "tokens_per_s": tokens / window_s if window_s > 0 else None,
                     "tokens_per_s_per_request": per_request.median(),
@@ -168,6 +176,14 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
             }
         )
     return rows
+
+
+def _level_gaps(ok: pd.DataFrame) -> np.ndarray:
+    """Every inter-token gap of a level's requests (runs recorded before the column existed have none)."""
+    if "itl_ms" not in ok.columns:
+        return np.empty(0)
+    parts = [np.asarray(gaps, dtype=np.float64) for gaps in ok["itl_ms"] if gaps is not None and len(gaps)]
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def fmt_num(value, fmt: str = ".2f") -> str:
@@ -278,29 +294,22 @@ def report_table(title: str) -> Table:
 
 
 def _client_table(rows: list[dict]) -> Table:
-    table = report_table("client side, per concurrency level")
-    for name in (
-        "level",
-        "requests",
-        "errors",
-        "latency\nms",
-        "latency\np90",
-        "TTFT\nms",
-        "TTFT\np90",
-        "output\ntok/s",
-        "tok/s per\nrequest",
-    ):
+    table = report_table("client side, per concurrency level (ms; ITL: inter-token latency)")
+    columns = {
+        "level": ("concurrency", "d"),
+        "requests": ("requests", "d"),
+        "errors": ("errors", "d"),
+        "latency": ("latency_ms_median", ".1f"),
+        "TTFT": ("ttft_ms_median", ".1f"),
+        "TTFT\np90": ("ttft_ms_p90", ".1f"),
+        "ITL\np50": ("itl_ms_p50", ".2f"),
+        "ITL\np90": ("itl_ms_p90", ".2f"),
+        "ITL\np99": ("itl_ms_p99", ".2f"),
+        "output\ntok/s": ("tokens_per_s", ".1f"),
+        "tok/s per\nrequest": ("tokens_per_s_per_request", ".1f"),
+    }
+    for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
-        table.add_row(
-            str(r["concurrency"]),
-            str(r["requests"]),
-            str(r["errors"]),
-            fmt_num(r["latency_ms_median"], ".1f"),
-            fmt_num(r["latency_ms_p90"], ".1f"),
-            fmt_num(r["ttft_ms_median"], ".1f"),
-            fmt_num(r["ttft_ms_p90"], ".1f"),
-            fmt_num(r["tokens_per_s"], ".1f"),
-            fmt_num(r["tokens_per_s_per_request"], ".1f"),
-        )
+        table.add_row(*(fmt_num(r.get(key), fmt) for key, fmt in columns.values()))
     return table

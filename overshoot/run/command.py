@@ -28,9 +28,10 @@ from overshoot.run.launch import LaunchError, Server
 from overshoot.run.load import LoadError, LoadPlan, LoadResults, run_sweep
 from overshoot.rundir.meta import host_info, now_iso, read_meta, update_meta, versions, write_meta
 
-DEFAULT_PORT = 8000  # where a server command without {port} is expected to listen (vLLM's default)
+DEFAULT_PORT = 8000  # where a server command without {port} or --port is expected to listen (vLLM's default)
 # `python -m reference_engine serve` without --async-scheduling runs synchronously (tests/test_run.py checks
-# this against the engine's own argument parser).
+# this against the engine's own argument parser). The embedded default on a GPU passes --async-scheduling
+# (launch.default_command).
 REFERENCE_ASYNC_DEFAULT = False
 
 
@@ -104,7 +105,8 @@ def run(
     warmup: Annotated[int | None, typer.Option(
         min=0, help="Warm-up requests per level (not in client data).", show_default="one per slot")] = None,
     port: Annotated[int | None, typer.Option(
-        min=1, max=65535, help="Server port on 127.0.0.1.", show_default="free; 8000 if no {port}")] = None,
+        min=1, max=65535, help="Server port on 127.0.0.1 (replaces {port}).",
+        show_default="the command's --port N; else free; 8000 if the command has neither")] = None,
     out: Annotated[Path | None, typer.Option(help="Run dir.", show_default="runs/<timestamp>")] = None,
     ready_timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the server.")] = 600.0,
     model: Annotated[str | None, typer.Option(
@@ -175,9 +177,7 @@ def execute(o: RunOptions) -> int:
         command = launch.default_command(
             cuda=launch.cuda_present(), max_num_seqs=max(8, *levels), max_model_len=max_len
         )
-    port = o.port
-    if port is None:
-        port = launch.free_port() if any("{port}" in arg for arg in command) else DEFAULT_PORT
+    port = _server_port(command, o.port)
     if launch.port_in_use(port):
         raise RunFailed(f"port {port} on {launch.HOST} is in use; stop what listens there or pass --port")
     command = [arg.replace("{port}", str(port)) for arg in command]
@@ -338,6 +338,23 @@ def _print_report(run_dir: Path, console: Console) -> int:
     except RunDirError as exc:
         raise RunFailed(f"{exc} (were the engine's hooks installed? see the hook lines above)") from None
     return 0
+
+
+def _server_port(command: list[str], option: int | None) -> int:
+    """Where the server will listen: {port} in the command takes --port (or a free port); a literal
+    `--port N` in the command is the port (a different --port is an error); else --port or vLLM's 8000."""
+    try:
+        literal = launch.port_in_command(command)
+    except ValueError as exc:
+        raise RunFailed(str(exc), 2) from None
+    if literal is not None:
+        if option is not None and option != literal:
+            raise RunFailed(f"--port {option} but the server command says --port {literal}; give one of "
+                            "them, or write --port {port} in the command", 2)
+        return literal
+    if option is not None:
+        return option
+    return launch.free_port() if any("{port}" in arg for arg in command) else DEFAULT_PORT
 
 
 def _absolute_spec(ref: str) -> str:

@@ -51,12 +51,31 @@ def free_port() -> int:
 
 
 def port_in_use(port: int) -> bool:
+    """Whether a server could not listen on the port. Binds as servers do (aiohttp, uvicorn): with
+    SO_REUSEADDR, so connections of an earlier run still in TIME_WAIT do not count as "in use"."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:
             return True
     return False
+
+
+def port_in_command(command: list[str]) -> int | None:
+    """The port a server command names literally (the last `--port N` or `--port=N`); None when it names
+    none or uses the {port} placeholder. Raises ValueError for a value that is not a TCP port."""
+    value = None
+    for i, arg in enumerate(command):
+        if arg == "--port" and i + 1 < len(command):
+            value = command[i + 1]
+        elif arg.startswith("--port="):
+            value = arg.split("=", 1)[1]
+    if value is None or "{port}" in value:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise ValueError(f"the server command's --port {value!r} is not a TCP port")
+    return int(value)
 
 
 def cuda_present() -> bool:
@@ -71,9 +90,11 @@ def cuda_present() -> bool:
 
 
 def default_command(*, cuda: bool, max_num_seqs: int, max_model_len: int) -> list[str]:
-    """The embedded default: the reference engine, sized so every level fits in one batch."""
+    """The embedded default: the reference engine, sized so every level fits in one batch. On a GPU its best
+    configuration (one CUDA graph per step, async scheduling: step n+1 launched while step n runs); on the
+    CPU the tiny model, eager and sync (no graphs there, and nothing to overlap with)."""
     model = (
-        ["--preset", "qwen3-4b", "--graph", "step", "--device", "cuda"]
+        ["--preset", "qwen3-4b", "--graph", "step", "--async-scheduling", "--device", "cuda"]
         if cuda
         else ["--preset", "tiny", "--device", "cpu"]
     )

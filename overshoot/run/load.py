@@ -3,6 +3,9 @@
 Each level keeps `concurrency` requests in flight (streaming, `ignore_eos` + `max_tokens`, so every request
 decodes exactly max_tokens tokens) for `requests` requests or `duration` seconds. Times are on the host's
 monotonic clock (`time.perf_counter_ns`), the clock of the spool, so level windows tag the engine's steps.
+A token event is a streamed event with a choice (one per engine output on the reference server and vLLM): TTFT
+is the time to the first one, inter-token latencies (ITL) are the gaps between them, whatever text they carry.
+Tokens are counted from the `usage` event (`stream_options.include_usage`), else one per token event.
 Results go to RUN/client.parquet and meta.json["levels"] (docs/contracts.md section 5).
 """
 
@@ -14,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 PROMPT_WORD = "the "
 CALIBRATION_WORDS = 32
@@ -46,24 +52,34 @@ class LoadResults:
     rows: list[dict] = field(default_factory=list)
     levels: list[dict] = field(default_factory=list)
 
+    def table(self) -> pa.Table:
+        return pa.table({name: [row.get(name) for row in self.rows] for name in CLIENT_SCHEMA.names},
+                        schema=CLIENT_SCHEMA)
+
     def frame(self) -> pd.DataFrame:
-        columns = {
-            "concurrency": "int32",
-            "request": "int64",
-            "start_ns": "int64",
-            "end_ns": "int64",
-            "ttft_ms": "float64",
-            "latency_ms": "float64",
-            "prompt_tokens": "int32",
-            "completion_tokens": "int32",
-            "ok": "bool",
-            "error": "string",
-        }
-        frame = pd.DataFrame(self.rows, columns=list(columns))
-        return frame.astype(columns)
+        return self.table().to_pandas()
 
     def write(self, run_dir) -> None:
-        self.frame().to_parquet(f"{run_dir}/client.parquet", index=False)
+        pq.write_table(self.table(), f"{run_dir}/client.parquet")
+
+
+CLIENT_SCHEMA = pa.schema([
+    ("concurrency", pa.int32()),
+    ("request", pa.int64()),
+    ("start_ns", pa.int64()),
+    ("end_ns", pa.int64()),
+    ("ttft_ms", pa.float64()),
+    ("latency_ms", pa.float64()),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("token_events", pa.int32()),
+    ("itl_ms_p50", pa.float64()),  # this request's inter-token latencies
+    ("itl_ms_p90", pa.float64()),
+    ("itl_ms_p99", pa.float64()),
+    ("itl_ms", pa.list_(pa.float64())),  # every gap, for percentiles over a level
+    ("ok", pa.bool_()),
+    ("error", pa.string()),
+])  # fmt: skip
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -90,6 +106,14 @@ async def calibrated_prompt(session, base_url: str, model: str, prompt_tokens: i
     return PROMPT_WORD * words
 
 
+def is_token_event(event: dict) -> bool:
+    """An event with a choice; a closing one with only a finish_reason and no text carries no token."""
+    choices = event.get("choices")
+    if not choices:
+        return False
+    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
+
+
 async def one_request(
     session, base_url: str, body: dict, concurrency: int, index: int, timeout: float
 ) -> dict:
@@ -103,7 +127,8 @@ async def one_request(
         "error": "",
     }
     start = time.perf_counter_ns()
-    chunks = 0
+    token_ns: list[int] = []
+    usage = None
     try:
         async with session.post(
             f"{base_url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
@@ -112,6 +137,7 @@ async def one_request(
                 row["error"] = f"HTTP {resp.status}: {(await resp.text()).strip()[:200]}"
             else:
                 async for raw in resp.content:
+                    arrived = time.perf_counter_ns()  # before parsing: the event's arrival
                     line = raw.decode("utf-8", "replace").strip()
                     if not line.startswith("data:"):
                         continue
@@ -119,23 +145,33 @@ async def one_request(
                     if data == "[DONE]":
                         break
                     event = json.loads(data)
-                    if event.get("choices") and event["choices"][0].get("text"):
-                        chunks += 1
-                        if chunks == 1:
-                            row["ttft_ms"] = (time.perf_counter_ns() - start) / 1e6
-                    usage = event.get("usage")
-                    if usage:
-                        row["prompt_tokens"] = usage.get("prompt_tokens") or 0
-                        row["completion_tokens"] = usage.get("completion_tokens") or 0
-                row["completion_tokens"] = row["completion_tokens"] or chunks
+                    if is_token_event(event):
+                        token_ns.append(arrived)
+                    usage = event.get("usage") or usage
+                row["prompt_tokens"] = (usage or {}).get("prompt_tokens") or 0
+                row["completion_tokens"] = (usage or {}).get("completion_tokens") or len(token_ns)
                 row["ok"] = row["completion_tokens"] > 0
                 if not row["ok"]:
                     row["error"] = "no tokens in the answer"
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
     end = time.perf_counter_ns()
-    row.update(start_ns=start, end_ns=end, latency_ms=(end - start) / 1e6)
+    row.update(start_ns=start, end_ns=end, latency_ms=(end - start) / 1e6, **token_times(start, token_ns))
     return row
+
+
+def token_times(start_ns: int, token_ns: list[int]) -> dict:
+    """TTFT, the gaps between token events and their percentiles (NaN where there are none)."""
+    gaps = np.diff(np.asarray(token_ns, dtype=np.int64)) / 1e6
+    p50, p90, p99 = np.percentile(gaps, [50, 90, 99]) if len(gaps) else (float("nan"),) * 3
+    return {
+        "ttft_ms": (token_ns[0] - start_ns) / 1e6 if token_ns else float("nan"),
+        "token_events": len(token_ns),
+        "itl_ms_p50": float(p50),
+        "itl_ms_p90": float(p90),
+        "itl_ms_p99": float(p99),
+        "itl_ms": gaps.tolist(),
+    }
 
 
 async def run_level(
