@@ -26,6 +26,7 @@ __all__ = [
     "STEP_COLUMNS",
     "ModeGuess",
     "Summary",
+    "aggregate_levels",
     "detect_mode",
     "extra_fact_columns",
     "group_title",
@@ -268,6 +269,15 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list, cpu_bound_ms: 
         for w in what_ifs:
             out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)
     return out.replace([np.inf, -np.inf], np.nan)
+
+
+def aggregate_levels(summary: Summary, *, cpu_bound_ms: float = 0.02) -> pd.DataFrame:
+    """The group figures per concurrency level, over all the level's summarised steps (analysis/sweep.py:
+    the load sweep table and the live view of `overshoot run`); no rows when the run has no levels."""
+    steps = summary.steps
+    if "concurrency" not in steps.columns or len(steps) == 0 or steps["concurrency"].isna().all():
+        return pd.DataFrame({"concurrency": pd.array([], dtype="Int32")})
+    return _aggregate(steps[steps["concurrency"].notna()], ["concurrency"], [], cpu_bound_ms)
 
 
 def _group_windows(df: pd.DataFrame, groups: pd.DataFrame, total, count: np.ndarray) -> np.ndarray:

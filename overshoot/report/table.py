@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from overshoot.analysis.analyze import group_title, summarize
+from overshoot.analysis.analyze import Summary, group_title, summarize
 from overshoot.analysis.whatif import WhatIf
+from overshoot.report import sections
+from overshoot.report.fmt import fmt_num, pct, report_table, signed
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
 
@@ -24,6 +25,19 @@ def build_report(
     warmup_steps: int = 0,
     mode: str | None = None,
 ) -> dict:
+    return analyse(run, what_ifs=what_ifs, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps, mode=mode)[0]
+
+
+def analyse(
+    run,
+    *,
+    what_ifs: list[WhatIf] | None = None,
+    cpu_bound_ms: float = 0.02,
+    warmup_steps: int = 0,
+    mode: str | None = None,
+) -> tuple[dict, Summary]:
+    """The report (a plain dict, what --json prints) and the summary it was built from (its steps serve
+    compare's bootstrap and the plots)."""
     what_ifs = list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)
     summary = summarize(
         run, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps, mode=mode, what_ifs=what_ifs
@@ -36,8 +50,13 @@ def build_report(
         row["what_if_pct"] = changes
         row["verdict"] = _verdict(row, what_ifs, summary.mode.mode)
         groups.append(row)
-    return {
+    client = client_stats(run.client)
+    sections.add_sections(groups, run=run, summary=summary, cpu_bound_ms=cpu_bound_ms)
+    status = (run.meta or {}).get("status")
+    report = {
         "run_id": run.run_id,
+        "status": status,
+        "status_line": sections.status_line(status),
         "engine": (run.meta or {}).get("engine") or next((p.get("engine") for p in run.processes), None),
         "mode": summary.mode.mode,
         "mode_source": summary.mode.source,
@@ -47,11 +66,14 @@ def build_report(
         "group_keys": summary.group_keys,
         "what_ifs": [w.label for w in what_ifs],
         "groups": groups,
-        "client": client_stats(run.client),
+        "levels": sections.levels(summary, client, cpu_bound_ms=cpu_bound_ms),
+        "crossover": sections.crossover(groups),
+        "client": client,
         "hook_problems": hook_problems(run),
         "notes": summary.notes,
         "warnings": list(run.warnings),
     }
+    return report, summary
 
 
 def hook_problems(run) -> list[dict]:
@@ -105,17 +127,13 @@ def _plain(value):
     return value
 
 
-def _pct(value, digits: int = 0) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}%"
-
-
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     """One line per group. Sync engines wait every step, so their CPU share leads, not the CPU-bound share."""
-    bound = f"{_pct(row['cpu_bound_pct'])} of steps CPU-bound"
-    share = f"CPU busy {_pct(row['cpu_share_pct'])} of the step"
+    bound = f"{pct(row['cpu_bound_pct'])} of steps CPU-bound"
+    share = f"CPU busy {pct(row['cpu_share_pct'])} of the step"
     parts = [share, bound] if mode == "sync" and row["cpu_share_pct"] is not None else [bound]
     idle = row["gpu_idle_pct"]
-    parts.append("GPU idle n/a (no GPU times)" if idle is None else f"GPU idle {_pct(idle)}")
+    parts.append("GPU idle n/a (no GPU times)" if idle is None else f"GPU idle {pct(idle)}")
     for w in what_ifs:
         change = row["what_if_pct"][w.label]
         if change is not None:
@@ -153,11 +171,9 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
     return rows
 
 
-def fmt_num(value, fmt: str = ".2f") -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def render(report: dict, console: Console) -> None:
+def render(report: dict, console: Console, *, by_label: bool = False) -> None:
+    if report.get("status_line"):  # first: every figure below is partial
+        console.print(report["status_line"], highlight=False, markup=False, style="bold")
     table = _groups_table(report, report["what_ifs"])
     wide = console.options.update_width(10_000)  # measure unclamped: Measurement caps at the options width
     narrow = report["what_ifs"] and Measurement.get(console, wide, table).maximum > console.width
@@ -171,6 +187,9 @@ def render(report: dict, console: Console) -> None:
         console.print(hooks_line(report["hook_problems"]), highlight=False, markup=False)
     for g in report["groups"]:
         console.print(f"- {g['verdict']}", highlight=False)
+    if by_label:
+        sections.render_by_label(report, console)
+    sections.render_sweep(report, console)
     if report["client"]:
         console.print(_client_table(report["client"]))
     for note in report["notes"]:
@@ -216,16 +235,13 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
             fmt_num(g["busy_ms_median"]),
             fmt_num(g["wait_ms_median"]),
             fmt_num(g["gpu_ms_median"]),
-            _pct(g["cpu_bound_pct"]),
-            _pct(g["gpu_idle_pct"]),
-            _pct(g["cpu_share_pct"]),
+            pct(g["cpu_bound_pct"]),
+            pct(g["gpu_idle_pct"]),
+            pct(g["cpu_share_pct"]),
         ]
         if drafts:
             cells += [fmt_num(g.get(key), ".1f") for key in ("spec_tokens_mean", "accepted_tokens_mean")]
-        cells += [
-            fmt_num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
-            for label in what_ifs
-        ]
+        cells += [signed(g["what_if_pct"][label], ".1f", "%") for label in what_ifs]
         table.add_row(*cells)
     return table
 
@@ -234,18 +250,6 @@ def _level_cell(group: dict) -> str:
     if group.get("concurrency") is None:
         return "warm-up" if group.get("load_window") == "warmup" else "-"
     return str(group["concurrency"])
-
-
-def report_table(title: str) -> Table:
-    # Compact: fits 80 columns for the common case (no level column, two what-ifs).
-    return Table(
-        title=title,
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 0),
-        pad_edge=False,
-        show_edge=False,
-    )
 
 
 def _client_table(rows: list[dict]) -> Table:
