@@ -73,8 +73,9 @@ def test_exclusive_busy_of_nested_spans():
         "label": ["B", "C", "gpu", "A", "D"],
         "start_ns": [10, 45, 40, 0, 200], "dur_ns": [20, 5, 20, 100, 50],
     })  # fmt: skip
-    step, label, own = exclusive_busy(spans)
-    assert sorted(zip(step.tolist(), label.tolist(), own.tolist(), strict=True)) == [
+    step, code, own, names = exclusive_busy(spans)
+    label = [names[c] for c in code]
+    assert sorted(zip(step.tolist(), label, own.tolist(), strict=True)) == [
         (0, "A", 60), (0, "B", 20), (1, "D", 50)
     ]
 

@@ -16,27 +16,36 @@ import pandas as pd
 UNLABELLED = "unlabelled"
 
 
-def exclusive_busy(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step, label, exclusive busy ns) of each busy span of one timeline that holds busy time of its own.
+def exclusive_busy(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """(step, label code, exclusive busy ns) of each busy span of one timeline that holds busy time of its
+    own, and the label names the codes index. `spans`: one timeline's spans, in recording order.
 
-    `spans`: one timeline's spans inside steps (kinds busy and wait), in recording order.
+    Labels are factorised on the string column itself: a million steps' spans never become Python objects.
     """
-    kind = spans["kind"].to_numpy()
     step = spans["step"].to_numpy(dtype="int64")
-    label = spans["label"].to_numpy(dtype=object)
-    start = spans["start_ns"].to_numpy(dtype="int64")
+    kind = spans["kind"]
+    is_busy = (kind == "busy").to_numpy(dtype=bool)
+    is_wait = (kind == "wait").to_numpy(dtype=bool)
     dur = spans["dur_ns"].to_numpy(dtype="int64")
-    keep = dur > 0  # zero-length spans hold no time (and would confuse the nesting depth below)
+    # Spans inside steps; zero-length ones hold no time (and would confuse the nesting depth below).
+    keep = (step >= 0) & (is_busy | is_wait) & (dur > 0)
+    codes, uniques = pd.factorize(spans["label"])
+    names = [str(u) for u in uniques]
+    if (codes < 0).any():  # a span without a label
+        codes = np.where(codes < 0, len(names), codes)
+        names.append(UNLABELLED)
+    start = spans["start_ns"].to_numpy(dtype="int64")
     if not keep.all():
-        kind, step, label, start, dur = kind[keep], step[keep], label[keep], start[keep], dur[keep]
-    is_busy = kind == "busy"
+        step, is_busy, is_wait, dur, codes, start = (
+            a[keep] for a in (step, is_busy, is_wait, dur, codes, start)
+        )
     end = start + dur
     if len(start) < 2 or np.all(start[1:] >= end[:-1]):
         # The usual case: no span inside another, so a busy span's own time is all of it.
-        return step[is_busy], label[is_busy], dur[is_busy]
-    own, under_wait = _nesting(start, end, kind == "wait")
+        return step[is_busy], codes[is_busy], dur[is_busy], names
+    own, under_wait = _nesting(start, end, is_wait)
     counted = is_busy & ~under_wait & (own > 0)
-    return step[counted], label[counted], own[counted]
+    return step[counted], codes[counted], own[counted], names
 
 
 def _nesting(start: np.ndarray, end: np.ndarray, is_wait: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,45 +95,53 @@ def busy_by_label(
     names: list[str] = []
     labelled = np.zeros((n_groups, 0))
     if spans is not None and len(spans):
-        inside = (spans["step"].to_numpy() >= 0) & spans["kind"].isin(("busy", "wait")).to_numpy()
-        span_step, label, own = exclusive_busy(spans[inside])
-        index = pd.Index(steps["step"].to_numpy())
-        if not index.is_unique:  # one timeline numbers its steps once; be safe anyway
-            index = index.where(~index.duplicated(), -(2**62))
-        pos = index.get_indexer(span_step)
+        span_step, codes, own, names = exclusive_busy(spans)
+        pos = _positions(steps["step"].to_numpy(dtype="int64"), span_step)
         kept = pos >= 0
         kept[kept] = group_of_step[pos[kept]] >= 0
-        if kept.any():
-            codes, uniques = pd.factorize(pd.Series(label[kept], dtype=object).fillna(UNLABELLED))
-            names = [str(u) for u in uniques]
-            flat = group_of_step[pos[kept]] * len(names) + codes
-            totals = np.bincount(flat, weights=own[kept], minlength=n_groups * len(names))
-            labelled = totals.reshape(n_groups, len(names))
+        flat = group_of_step[pos[kept]] * len(names) + codes[kept]
+        totals = np.bincount(flat, weights=own[kept], minlength=n_groups * len(names))
+        labelled = totals.reshape(n_groups, len(names))
     # Busy time no busy span covers; a few ns below zero are clock rounding.
-    rest = np.maximum(busy_ns - labelled.sum(axis=1), 0.0)
-    names_all = [*names, UNLABELLED] if UNLABELLED not in names else names
-    if UNLABELLED in names:
-        labelled[:, names.index(UNLABELLED)] += rest
-        table = labelled
-    else:
-        table = np.column_stack([labelled, rest])
+    table = np.column_stack([labelled, np.maximum(busy_ns - labelled.sum(axis=1), 0.0)])
+    names = [*names, UNLABELLED]
     medians = groups["busy_ms_median"].to_numpy(dtype="float64")
     for g in range(n_groups):
-        denominator = table[g].sum()
+        denominator = float(table[g].sum())
         if denominator <= 0 or count[g] == 0:
             continue
+        by_name: dict[str, float] = {}
+        for name, ns in zip(names, table[g], strict=True):  # a label named "unlabelled" merges with ours
+            if ns > 0:
+                by_name[name] = by_name.get(name, 0.0) + float(ns)
         rows = [
             {
                 "label": name,
-                "ms": medians[g] * table[g, j] / denominator,
-                "share_pct": 100.0 * table[g, j] / denominator,
-                "mean_ms": table[g, j] / 1e6 / count[g],
+                "ms": float(medians[g]) * ns / denominator,
+                "share_pct": 100.0 * ns / denominator,
+                "mean_ms": ns / 1e6 / int(count[g]),
             }
-            for j, name in enumerate(names_all)
-            if table[g, j] > 0
+            for name, ns in by_name.items()
         ]
         out[g] = sorted(rows, key=lambda r: -r["share_pct"])
     return out
+
+
+def _positions(step_numbers: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Row of each wanted step number in `step_numbers` (-1: absent). A recorder numbers its steps 0, 1, 2..,
+    so a lookup table indexed by step number does (no hashing, no search); anything else goes through a
+    hash index."""
+    if len(step_numbers) == 0 or len(wanted) == 0:
+        return np.full(len(wanted), -1, "int64")
+    low, high = int(step_numbers.min()), int(step_numbers.max())
+    if low >= 0 and high < 4 * len(step_numbers) + 1024:
+        table = np.full(high + 2, -1, "int64")  # the last slot answers for step numbers out of range
+        table[step_numbers] = np.arange(len(step_numbers))
+        return table[np.where((wanted >= 0) & (wanted <= high), wanted, high + 1)]
+    index = pd.Index(step_numbers)
+    if not index.is_unique:  # one timeline numbers its steps once; be safe anyway
+        index = index.where(~index.duplicated(), -(2**62))
+    return index.get_indexer(wanted)
 
 
 def group_rows(steps: pd.DataFrame, groups: pd.DataFrame, keys: list[str]) -> np.ndarray:
