@@ -74,9 +74,26 @@ def test_bootstrap_is_seeded_and_bounded():
     again = noise.delta_intervals(a, b, np.random.default_rng(noise.SEED))
     assert first == again and first["gpu_ms_median"] is None and first["gpu_idle_pct"] is None
     low, high = first["step_ms_median"]
-    assert low < 2.0 < high and high - low < 3  # +2% exactly, from a 5,000-step subsample of each run
+    assert low < 2.0 < high and high - low < 1  # +2% exactly, 20,000 steps a run
     tiny = {k: v[:5] for k, v in a.items()}
     assert noise.delta_intervals(tiny, b, np.random.default_rng(0))["step_ms_median"] is None
+
+
+@pytest.mark.parametrize("n", [300, 301])
+def test_median_and_share_replicates_are_what_resampling_gives(n, monkeypatch):
+    """The order-statistic (Beta) draws of the median and the binomial draws of a share have the same
+    distribution as medians and shares of real resamples with replacement."""
+    import numpy as np
+
+    monkeypatch.setattr(noise, "RESAMPLES", 4000)
+    x = np.random.default_rng(1).lognormal(0, 0.5, n)
+    resampled = x[np.random.default_rng(3).integers(0, n, (4000, n))]
+    quantiles = [2.5, 25, 50, 75, 97.5]
+    fast = np.percentile(noise._median(x, np.random.default_rng(2)), quantiles)
+    assert fast == pytest.approx(np.percentile(np.median(resampled, axis=1), quantiles), rel=0.01)
+    flags = (x > 1).astype(float)
+    share = np.percentile(noise._share(flags, np.random.default_rng(2)), quantiles)
+    assert share == pytest.approx(np.percentile(100 * (resampled > 1).mean(axis=1), quantiles), abs=1.0)
 
 
 def test_check_limits_in_process(runs, capsys):
