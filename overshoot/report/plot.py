@@ -93,10 +93,10 @@ def _timeline(runs: list[PlotRun]):
         for (label, values), color in zip(binned.items(), ("black", *COLORS), strict=False):
             if np.isfinite(values).any():  # step ms first, thin and dark: the others are its parts
                 ax.plot(x, values, label=label, color=color, linewidth=0.8 if color == "black" else 1.0)
-        end = float(seconds.max(initial=0.0)) or 1.0
+        end = float(np.nanmax(x, initial=0.0)) or 1.0
         _mark_levels(ax, run.levels, t0, end)
         ax.set_xlim(0, end)
-        how = f" (median per {len(x)} time bins)" if len(x) < len(seconds) else ""
+        how = f" (median per {TIMELINE_BINS} time bins)" if len(seconds) > 2 * TIMELINE_BINS else ""
         ax.set_title(f"{run.name}: step timeline{how}")
         ax.set_xlabel("seconds since the first summarised step")
         ax.set_ylabel("ms")
@@ -108,13 +108,20 @@ def _timeline(runs: list[PlotRun]):
 
 
 def _bin(seconds: np.ndarray, series: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Points to draw, with NaN in the gaps (between load levels) so that no line bridges them."""
     if len(seconds) <= 2 * TIMELINE_BINS:
-        return seconds, series
+        if len(seconds) < 3:
+            return seconds, series
+        step = np.diff(seconds)
+        gaps = np.flatnonzero(step > 10 * np.median(step)) + 1
+        if len(gaps) == 0:
+            return seconds, series
+        return np.insert(seconds, gaps, np.nan), {k: np.insert(v, gaps, np.nan) for k, v in series.items()}
     edges = np.linspace(seconds.min(), seconds.max(), TIMELINE_BINS + 1)
     which = np.clip(np.searchsorted(edges, seconds, side="right") - 1, 0, TIMELINE_BINS - 1)
-    frame = pd.DataFrame(series).groupby(which).median()
+    frame = pd.DataFrame(series).groupby(which).median().reindex(range(TIMELINE_BINS))  # empty bins: NaN
     centers = (edges[:-1] + edges[1:]) / 2
-    return centers[frame.index.to_numpy()], {k: frame[k].to_numpy() for k in series}
+    return centers, {k: frame[k].to_numpy() for k in series}
 
 
 def _mark_levels(ax, levels: list[dict], t0: int, last: float) -> None:
