@@ -129,15 +129,14 @@ def _what_ifs(texts: list[str] | None) -> list:
 
     out = []
     for text in texts or []:
-        _, _, value = text.partition("=")
-        if value.strip()[:1] not in ("+", "-"):
-            raise CliError(
-                f"bad --what-if {text!r}: give the sign, e.g. gpu=-10% (faster) or gpu=+10% (slower)"
-            )
         try:
             out.append(parse_what_if(text))
         except ValueError as e:
             raise CliError(str(e)) from None
+        if text.partition("=")[2].strip()[:1] not in ("+", "-"):
+            raise CliError(
+                f"bad --what-if {text!r}: give the sign, e.g. gpu=-10% (faster) or gpu=+10% (slower)"
+            )
     return out
 
 
@@ -266,7 +265,7 @@ def check(
     from overshoot.report import compare as cmp
     from overshoot.report import table as rep
 
-    options = {"cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup}
+    options = {"cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "projections": False}
     report, summary = rep.analyse(_load(run, code=2), **options)
     if report.get("status_line"):
         print(f"warning: {report['status_line']}", file=sys.stderr)
@@ -313,9 +312,10 @@ def plot(
     from overshoot.report import table as rep
 
     runs = []
+    options = {"cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "projections": False}
     for name, path in (("A", run), ("B", compare)) if compare is not None else (("", run),):
         loaded = _load(path)
-        report, summary = rep.analyse(loaded, what_ifs=[], cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup)
+        report, summary = rep.analyse(loaded, **options)
         title = f"{name} = {report['run_id']}" if name else report["run_id"]
         runs.append(pictures.PlotRun(title, report, summary.steps, (loaded.meta or {}).get("levels") or []))
     try:

@@ -35,10 +35,12 @@ def analyse(
     cpu_bound_ms: float = 0.02,
     warmup_steps: int = 0,
     mode: str | None = None,
+    projections: bool = True,
 ) -> tuple[dict, Summary]:
     """The report (a plain dict, what --json prints) and the summary it was built from (its steps serve
-    compare's bootstrap and the plots)."""
-    what_ifs = list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)
+    compare's bootstrap and the plots). `projections=False` skips the what-ifs (check and plot need none,
+    and the replay is the slow part at scale)."""
+    what_ifs = (list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)) if projections else []
     summary = summarize(
         run, cpu_bound_ms=cpu_bound_ms, warmup_steps=warmup_steps, mode=mode, what_ifs=what_ifs
     )

@@ -26,7 +26,7 @@ from overshoot.report.fmt import fmt_num, pct
 
 REFRESH_S = 1.0
 MAX_LOAD_SHARE = 0.1  # the refresh interval grows so that the analysis takes at most this share of the time
-MAX_REFRESH_S = 10.0
+MAX_REFRESH_S = 30.0  # a very long run: still a refresh every half minute
 PLAIN_EVERY_S = 10.0  # plain output: one line per level at most this often (and when a level ends)
 
 
