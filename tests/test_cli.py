@@ -399,7 +399,9 @@ def test_interrupted_run_says_so_first(tmp_path):
     result = overshoot("report", run)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("interrupted run (meta.json status 'interrupted')")
-    data = json.loads(overshoot("report", run, "--json").stdout)
+    data = build_report(load_run(run))
     assert data["status"] == "interrupted" and data["status_line"].startswith("interrupted run")
     update_meta(run, {"status": "ok"})
-    assert overshoot("report", run).stdout.startswith("overshoot report: r")
+    console = Console(width=120, record=True, color_system=None)
+    render(build_report(load_run(run)), console)
+    assert console.export_text().startswith("overshoot report: r")
