@@ -27,7 +27,7 @@ def status_line(status: str | None) -> str | None:
     return STATUS_LINES.get(status, f"run status {status!r} in meta.json: the figures may be partial")
 
 
-def add_sections(groups: list[dict], *, run, summary: Summary, cpu_bound_ms: float) -> None:
+def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
     """Adds each group's busy time by label (key busy_by_label) to the report's group dicts."""
     spans = run.spans
     if spans is not None and len(spans):

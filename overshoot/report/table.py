@@ -53,7 +53,7 @@ def analyse(
         row["verdict"] = _verdict(row, what_ifs, summary.mode.mode)
         groups.append(row)
     client = client_stats(run.client)
-    sections.add_sections(groups, run=run, summary=summary, cpu_bound_ms=cpu_bound_ms)
+    sections.add_sections(groups, run=run, summary=summary)
     status = (run.meta or {}).get("status")
     report = {
         "run_id": run.run_id,
