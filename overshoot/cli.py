@@ -1,4 +1,4 @@
-"""The `overshoot` command line: report, export and run.
+"""The `overshoot` command line: report, check, plot, export and run.
 
 Starts fast: pandas/pyarrow are imported inside the commands that need them, torch never, and `run` (owned by
 overshoot/run/command.py) is imported only when that command is invoked. Bad input ends with one line on
@@ -24,7 +24,11 @@ RUN_HELP = "Launch a server with hooks, drive load, record every step and print 
 
 
 class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 1."""
+    """A user-facing error: printed as one line, exit code `code` (1 unless a command documents another)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 class _LazyGroup(TyperGroup):
@@ -83,24 +87,72 @@ app = typer.Typer(
 )
 
 
-def _load(path: Path):
+def _version(value: bool) -> None:
+    if value:
+        from overshoot import __version__
+
+        print(f"overshoot {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+def _load(path: Path, *, code: int = 1):
     from overshoot.rundir.meta import RunDirError
     from overshoot.rundir.reader import load_run
 
     try:
         run = load_run(path)
     except RunDirError as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e), code) from None
     for warning in run.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return run
+
+
+def _console(width: int | None = None):
+    from overshoot.report.fmt import output_console
+
+    return output_console(width)
+
+
+def _what_ifs(texts: list[str] | None) -> list:
+    """--what-if values; the sign is required (gpu=10 could mean either way)."""
+    from overshoot.analysis.whatif import parse_what_if
+
+    out = []
+    for text in texts or []:
+        try:
+            out.append(parse_what_if(text))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        if text.partition("=")[2].strip()[:1] not in ("+", "-"):
+            raise CliError(
+                f"bad --what-if {text!r}: give the sign, e.g. gpu=-10% (faster) or gpu=+10% (slower)"
+            )
+    return out
+
+
+_ANALYSIS_HELP = {
+    "cpu_bound_share": "A step is CPU-bound when the GPU idled, waiting for the CPU, for more than this "
+                       "share of it (e.g. 5%).",
+    "cpu_bound_ms": "thread_never_waited: the thread waited at most this many ms in the step.",
+    "warmup": "Skip the first N steps of each timeline/level.",
+}
 
 
 @app.command(
     epilog=(
         "[b]Examples[/b]\n\n"
         "  overshoot report runs/demo\n\n"
-        "  overshoot report runs/demo --what-if gpu=-10% --what-if cpu=-20% --warmup 20\n\n"
+        "  overshoot report runs/demo --what-if gpu=-10% --what-if cpu=-20% --warmup 20 --by-label\n\n"
         "  overshoot report runs/before --compare runs/after\n\n"
         "  overshoot report runs/demo --json > summary.json"
     )
@@ -114,56 +166,168 @@ def report(
             help="Projection to show, e.g. gpu=-10% or cpu=-10% (repeatable; default both at -10%).",
         ),
     ] = None,
-    cpu_bound_share: Annotated[
-        str, typer.Option(help="A step is CPU-bound when the GPU idled, waiting for the CPU, for more than "
-                          "this share of it (e.g. 5%).")
-    ] = "5%",
-    cpu_bound_ms: Annotated[
-        float, typer.Option(help="thread_never_waited: the thread waited at most this many ms in the step.",
-                            min=0.0)
-    ] = 0.02,
-    warmup: Annotated[int, typer.Option(help="Skip the first N steps of each timeline/level.", min=0)] = 0,
+    cpu_bound_share: Annotated[str, typer.Option(help=_ANALYSIS_HELP["cpu_bound_share"])] = "5%",
+    cpu_bound_ms: Annotated[float, typer.Option(help=_ANALYSIS_HELP["cpu_bound_ms"], min=0.0)] = 0.02,
+    warmup: Annotated[int, typer.Option(help=_ANALYSIS_HELP["warmup"], min=0)] = 0,
     compare: Annotated[
         Path | None, typer.Option(help="Second run: show A vs B side by side with deltas.")
     ] = None,
     mode: Annotated[
         str | None, typer.Option(help="Scheduling: sync or async (default: detected from the data).")
     ] = None,
+    by_label: Annotated[
+        bool, typer.Option("--by-label", help="Also show CPU busy time by label per group.")
+    ] = False,
+    width: Annotated[
+        int | None,
+        typer.Option(
+            help="Output width in columns.", min=40, show_default="the terminal's; unlimited when piped"
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")] = False,
 ) -> None:
     """Per (concurrency, phase, batch size): step times, CPU-bound and GPU idle shares, what-ifs."""
-    from overshoot.analysis.whatif import parse_what_if
-
     if mode not in (None, "sync", "async"):
         raise CliError(f"bad --mode {mode!r}: choose sync or async")
-    try:
-        what_ifs = [parse_what_if(text) for text in what_if or []]
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    what_ifs = _what_ifs(what_if)
     import json
 
-    from rich.console import Console
-
+    from overshoot.analysis import noise
     from overshoot.report import compare as cmp
     from overshoot.report import table as rep
 
-    options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms, "cpu_bound_share": _share(cpu_bound_share),
-               "warmup_steps": warmup, "mode": mode}
-    first = rep.build_report(_load(run), **options)
-    console = Console()
+    options = {"what_ifs": what_ifs, "cpu_bound_ms": cpu_bound_ms,
+               "cpu_bound_share": _share(cpu_bound_share), "warmup_steps": warmup, "mode": mode}
+    first, summary_a = rep.analyse(_load(run), **options)
+    console = _console(width)
     if compare is None:
         if json_output:
             print(json.dumps(first, indent=2))
         else:
-            rep.render(first, console)
+            rep.render(first, console, by_label=by_label)
         return
-    second = rep.build_report(_load(compare), **options)
-    rows = cmp.compare(first, second)
+    second, summary_b = rep.analyse(_load(compare), **options)
+    rows = cmp.compare(
+        first, second, samples_a=noise.summary_samples(summary_a), samples_b=noise.summary_samples(summary_b)
+    )
     if json_output:
-        both = {"a": first, "b": second, "compare": rows, "compare_client": cmp.compare_client(first, second)}
+        both = {
+            "a": first, "b": second, "compare": rows, "compare_client": cmp.compare_client(first, second),
+            "noise_method": noise.METHOD,
+        }  # fmt: skip
         print(json.dumps(both, indent=2))
     else:
-        cmp.render_compare(first, second, rows, console)
+        cmp.render_compare(first, second, rows, console, by_label=by_label)
+
+
+@app.command(
+    epilog=(
+        "[b]Examples[/b]\n\n"
+        "  overshoot check runs/nightly --max-cpu-bound 10%\n\n"
+        "  overshoot check runs/pr --baseline runs/main --max-regression 3% --max-gpu-idle 20%\n\n"
+        "Exit status: 0 when every limit holds, 1 with one line per broken limit, 2 on bad input."
+    )
+)
+def check(
+    run: Annotated[Path, typer.Argument(help="Run directory to check.")],
+    baseline: Annotated[
+        Path | None, typer.Option(help="Run to compare with (needed by --max-regression).")
+    ] = None,
+    max_cpu_bound: Annotated[
+        str | None, typer.Option(help="Most CPU-bound steps allowed in any group, e.g. 10%.")
+    ] = None,
+    max_gpu_idle: Annotated[
+        str | None, typer.Option(help="Most GPU idle share allowed in any group, e.g. 20%.")
+    ] = None,
+    max_regression: Annotated[
+        str | None,
+        typer.Option(help="Most a group's median step may grow over the baseline's, e.g. 3%."),
+    ] = None,
+    min_steps: Annotated[
+        int, typer.Option(help="Groups with fewer steps are not checked.", min=1)
+    ] = 20,
+    cpu_bound_ms: Annotated[float, typer.Option(help=_ANALYSIS_HELP["cpu_bound_ms"], min=0.0)] = 0.02,
+    warmup: Annotated[int, typer.Option(help=_ANALYSIS_HELP["warmup"], min=0)] = 0,
+) -> int:
+    """Exit 0 when the run keeps the given limits, 1 with one line per broken limit (for CI pipelines)."""
+    from overshoot.report import check as gate
+
+    try:
+        limits = gate.Limits(
+            max_cpu_bound_pct=gate.parse_pct(max_cpu_bound, "--max-cpu-bound"),
+            max_gpu_idle_pct=gate.parse_pct(max_gpu_idle, "--max-gpu-idle"),
+            max_regression_pct=gate.parse_pct(max_regression, "--max-regression"),
+            min_steps=min_steps,
+        )
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
+    if not limits.any():
+        raise CliError("no limit given: pass --max-cpu-bound, --max-gpu-idle or --max-regression", 2)
+    if limits.max_regression_pct is not None and baseline is None:
+        raise CliError("--max-regression needs --baseline RUN", 2)
+    from overshoot.analysis import noise
+    from overshoot.report import compare as cmp
+    from overshoot.report import table as rep
+
+    options = {"cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "projections": False}
+    report, summary = rep.analyse(_load(run, code=2), **options)
+    if report.get("status_line"):
+        print(f"warning: {report['status_line']}", file=sys.stderr)
+    compared = None
+    if baseline is not None:
+        base, base_summary = rep.analyse(_load(baseline, code=2), **options)
+        compared = cmp.compare(
+            base, report, samples_a=noise.summary_samples(base_summary),
+            samples_b=noise.summary_samples(summary),
+        )  # fmt: skip
+    if limits.max_gpu_idle_pct is not None and all(g["gpu_idle_pct"] is None for g in report["groups"]):
+        raise CliError(f"--max-gpu-idle: {run} has no GPU times to check", 2)
+    outcome = gate.check(report, limits, compared=compared)
+    if outcome.checked == 0:
+        raise CliError(f"no group of {run} has {min_steps} steps or more (--min-steps)", 2)
+    for line in outcome.broken:
+        print(line)
+    if outcome.broken:
+        return 1
+    print(outcome.summary)
+    return 0
+
+
+@app.command(
+    epilog=(
+        "[b]Examples[/b]\n\n"
+        "  overshoot plot runs/demo -o plots/\n\n"
+        "  overshoot plot runs/before --compare runs/after -o plots/"
+    )
+)
+def plot(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the PNG files to.")],
+    compare: Annotated[
+        Path | None, typer.Option(help="Second run: one panel per run in each figure.")
+    ] = None,
+    cpu_bound_ms: Annotated[float, typer.Option(help=_ANALYSIS_HELP["cpu_bound_ms"], min=0.0)] = 0.02,
+    warmup: Annotated[int, typer.Option(help=_ANALYSIS_HELP["warmup"], min=0)] = 0,
+) -> None:
+    """Write timeline.png, cpu_vs_gpu.png and groups.png (matplotlib: pip install 'overshoot\\[plot]')."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("plotting needs matplotlib, which is not installed: pip install 'overshoot[plot]'")
+    from overshoot.report import plot as pictures
+    from overshoot.report import table as rep
+
+    runs = []
+    options = {"cpu_bound_ms": cpu_bound_ms, "warmup_steps": warmup, "projections": False}
+    for name, path in (("A", run), ("B", compare)) if compare is not None else (("", run),):
+        loaded = _load(path)
+        report, summary = rep.analyse(loaded, **options)
+        title = f"{name} = {report['run_id']}" if name else report["run_id"]
+        runs.append(pictures.PlotRun(title, report, summary.steps, (loaded.meta or {}).get("levels") or []))
+    try:
+        written = pictures.plot_runs(runs, output)
+    except OSError as e:
+        raise CliError(f"cannot write to {output}: {e.strerror or e}") from None
+    for w in written:
+        print(f"wrote {w.path} ({', '.join(p['title'] for p in w.panels)})", file=sys.stderr)
 
 
 @app.command(
@@ -192,7 +356,7 @@ def export(
     cpu_bound_ms: Annotated[
         float, typer.Option(help="thread_never_waited threshold for the steps table.", min=0.0)
     ] = 0.02,
-    warmup: Annotated[int, typer.Option(help="Skip the first N steps of each timeline/level.", min=0)] = 0,
+    warmup: Annotated[int, typer.Option(help=_ANALYSIS_HELP["warmup"], min=0)] = 0,
 ) -> None:
     """Write the steps, spans or GPU table as Parquet/CSV, or the run as a Chrome/Perfetto trace."""
     from overshoot.export import FORMATS, WHATS, ExportError
@@ -233,21 +397,42 @@ def main(argv: list[str] | None = None) -> int:
         result = command.main(args=args, prog_name="overshoot", standalone_mode=False)
     except getattr(_click_errors, "NoArgsIsHelpError", ()):
         return main(["--help"])
+    except _click_errors.NoSuchOption as e:
+        print(f"{_where(e)}: error: {_no_such_option(e)}", file=sys.stderr)
+        return e.exit_code
     except _click_errors.ClickException as e:
-        ctx = getattr(e, "ctx", None)
-        where = f"overshoot {ctx.info_name}" if ctx is not None and ctx.parent is not None else "overshoot"
-        print(f"{where}: error: {e.format_message()}", file=sys.stderr)
+        print(f"{_where(e)}: error: {e.format_message()}", file=sys.stderr)
         return e.exit_code
     except CliError as e:
         sub = next((a for a in args if not a.startswith("-")), "")
         print(f"overshoot {sub}: error: {e}" if sub else f"overshoot: error: {e}", file=sys.stderr)
-        return 1
+        return e.code
     except (typer.Abort, KeyboardInterrupt):
         print("overshoot: aborted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
     return result if isinstance(result, int) else 0
+
+
+def _where(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f"overshoot {ctx.info_name}" if ctx is not None and ctx.parent is not None else "overshoot"
+
+
+def _no_such_option(e) -> str:
+    """click suggests any option loosely alike ("--bogus": "Did you mean --out?"); suggest only a close
+    misspelling or a unique completion of a prefix."""
+    import difflib
+
+    name = e.option_name
+    ctx = getattr(e, "ctx", None)
+    known = [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts)] if ctx else []
+    known = [o for o in known if o.startswith("--")] or list(e.possibilities or [])
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    completions = [o for o in known if len(name) > 3 and o.startswith(name)]
+    hint = close[0] if close else (completions[0] if len(completions) == 1 else None)
+    return f"no such option: {name}" + (f" (did you mean {hint}?)" if hint else "")
 
 
 if __name__ == "__main__":

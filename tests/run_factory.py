@@ -205,3 +205,14 @@ def write_kernel_run(path: Path, timeline: KernelTimeline, *,
             frame, schema=BASE_SCHEMAS["kernel_windows"], preserve_index=False))
     writer.close()
     return path
+
+
+def write_sweep(path: Path, *, cpu_ms: float, seed: int, levels: tuple[int, ...], n: int = 240) -> Path:
+    """An async run (GPU 1.2 ms a step, CPU `cpu_ms` ± 30%) split evenly into load levels."""
+    frames = simulate_timeline(n, mode="async", cpu_ms=cpu_ms, gpu_ms=1.2, post_ms=0.2, jitter=0.3, seed=seed)
+    starts = frames.steps["start_ns"]
+    per = n // len(levels)
+    bounds = [int(starts[k * per]) for k in range(len(levels))] + [int(starts.iloc[-1]) + 10**9]
+    meta = {"levels": [{"concurrency": c, "start_ns": bounds[k], "end_ns": bounds[k + 1]}
+                       for k, c in enumerate(levels)]}  # fmt: skip
+    return write_run(path, frames, meta=meta)

@@ -309,7 +309,7 @@ def test_narrow_console_drops_what_if_columns_before_cutting_numbers(tmp_path):
     narrow_text, wide_text = narrow.export_text(), wide.export_text()
     assert "level phase  batch steps" in narrow_text and "…" not in narrow_text
     assert "   16 decode     1    50 2.40 2.40 1.21 1.20 1.20*  100%" in narrow_text
-    assert "gpu-10%" not in narrow_text and "what-if columns left out" in narrow_text
+    assert "gpu-10% cpu-10%" not in narrow_text and "what-if columns left out" in narrow_text
     assert "gpu-10% cpu-10%" in wide_text and "what-if columns left out" not in wide_text
 
 
@@ -379,3 +379,43 @@ def test_steps_before_the_first_level_are_warm_up(tmp_path):
     console = Console(width=120, record=True, color_system=None)
     render(report, console)
     assert "warm-up decode" in console.export_text()
+
+
+def test_hygiene_version_sign_width_and_no_negative_zero(tmp_path):
+    version = overshoot("--version")
+    assert version.returncode == 0 and version.stdout.strip() == "overshoot 0.1.0"
+    assert_one_line_error(overshoot("report", tmp_path, "--what-if", "gpu=10"), "give the sign", "gpu=-10%")
+    # GPU-bound async steps: a 10% faster CPU buys -0.02%, which must print as 0.0%, not -0.0%
+    frames = simulate_timeline(200, mode="async", cpu_ms=0.5, gpu_ms=1.2, post_ms=0.02, jitter=0.3, seed=1)
+    starts = frames.steps["start_ns"]
+    levels = [
+        {"concurrency": 1, "start_ns": int(starts[0]), "end_ns": int(starts[100])},
+        {"concurrency": 16, "start_ns": int(starts[100]), "end_ns": int(starts.iloc[-1]) + 10**9},
+    ]
+    run = write_run(tmp_path / "r", frames, meta={"levels": levels})
+    labels = [f"{side}{change}%" for side in ("gpu", "cpu") for change in ("-10", "+10", "-20", "+20")]
+    what_ifs = [arg for label in labels for arg in ("--what-if", label.replace("u", "u=", 1))]
+    piped = overshoot("report", run, *what_ifs)  # stdout is a pipe: the whole table, not COLUMNS=120 of it
+    assert piped.returncode == 0, piped.stderr
+    header = next(line for line in piped.stdout.splitlines() if line.startswith("level phase"))
+    assert header.split()[-8:] == labels and len(header) > 120
+    assert "what-if columns left out" not in piped.stdout
+    narrow = overshoot("report", run, *what_ifs, "--width", "80")
+    assert "what-if columns left out" in narrow.stdout and max(map(len, narrow.stdout.splitlines()[:6])) <= 80
+    compared = overshoot("report", run, "--compare", run)
+    for text in (piped.stdout, compared.stdout):
+        assert "-0.0" not in text and "-0%" not in text and "0.0%" in text
+
+
+def test_interrupted_run_says_so_first(tmp_path):
+    frames = simulate_timeline(60, mode="sync")
+    run = write_run(tmp_path / "r", frames, meta={"status": "interrupted"})
+    result = overshoot("report", run)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("interrupted run (meta.json status 'interrupted')")
+    data = build_report(load_run(run))
+    assert data["status"] == "interrupted" and data["status_line"].startswith("interrupted run")
+    update_meta(run, {"status": "ok"})
+    console = Console(width=120, record=True, color_system=None)
+    render(build_report(load_run(run)), console)
+    assert console.export_text().startswith("verdict: ")  # no status line: the verdict comes first

@@ -126,3 +126,20 @@ def test_steps_without_a_batch_are_not_a_group(tmp_path):
     summary = summarize(load_run(write_run(tmp_path / "empty", frames)), what_ifs=[GPU_FASTER])
     assert summary.groups["batch_size"].tolist() == [1]
     assert any("20 steps with no batch" in note for note in summary.notes)
+
+
+def test_the_top_line_names_the_verdict_the_dominant_label_and_the_best_change(tmp_path):
+    from overshoot.report.table import build_report
+
+    truth, run = _run(tmp_path, "eager", mode="async", **CASES["launch-bound"])
+    (line,) = build_report(run)["top_lines"]
+    # launch-bound: the spans are schedule 0.2 ms, launch 0.4 ms, update 0.1 ms: 'launch' fills 57% of busy
+    assert line.startswith("decode @ batch 4: CPU-bound: 100% of steps CPU-bound")
+    assert "'launch' is 57% of CPU busy" in line and "largest gain: cpu-10%" in line
+    gpu = load_run(write_kernel_run(tmp_path / "gpu", simulate_kernel_timeline(200, **CASES["gpu-bound"])))
+    (line,) = build_report(gpu)["top_lines"]
+    assert "GPU-bound" in line and "largest gain: gpu-10%" in line and "'launch'" not in line
+    frames = simulate_timeline(50)
+    frames.gpu = frames.gpu.iloc[:0]
+    (line,) = build_report(load_run(write_run(tmp_path / "cpu", frames)))["top_lines"]
+    assert "no GPU data" in line and "CPU-bound:" not in line

@@ -279,6 +279,20 @@ def test_time_based_flush_makes_data_readable_while_recording(tmp_path):
     assert len(load_run(tmp_path).steps) == 4
 
 
+def test_default_recorder_flushes_within_a_second_while_stepping(tmp_path):
+    """What the live view of `overshoot run` reads: with the defaults (every 256 steps or 1 s, checked at step
+    boundaries), slow steps reach the spool about a second after they ran, long before 256 of them."""
+    rec = Recorder(tmp_path, engine="test")
+    start = perf_counter_ns()
+    while perf_counter_ns() - start < 1.2e9:  # ~200 steps of 6 ms: fewer than flush_steps
+        rec.step_begin()
+        spin(6000)
+    visible = len(load_run(tmp_path).steps)  # the recorder is still open
+    total = rec.steps_recorded
+    rec.close()
+    assert total < 256 and 0.7 * total < visible < total
+
+
 def test_recorder_json_meta_and_unique_tags(tmp_path):
     info = {"hooks": [{"target": "engine.step", "status": "ok", "reason": None}], "server": "demo"}
     a = Recorder(tmp_path, engine="eng", thread_tag="engine/0", process_info=info)

@@ -162,6 +162,25 @@ def test_first_token_arrives_with_the_prefill_not_later(sweep):
     assert "ITL" in sweep[1].stdout  # the client table of the run's report
 
 
+def test_live_view_and_by_label_on_the_real_engine(sweep):
+    """The live view's snapshot of the finished run dir is the report's load sweep table; the by-label split
+    of each group adds up to its median busy time; piped output got no progress bars."""
+    from overshoot.run.live import snapshot
+
+    run_dir, result = sweep
+    assert result.returncode == 0 and "━" not in result.stdout
+    report = json.loads(overshoot("report", run_dir, "--json").stdout)
+    client = pd.read_parquet(run_dir / "client.parquet").to_dict("records")
+    rows = snapshot(run_dir, meta_of(run_dir)["levels"], client)
+    assert [r["concurrency"] for r in rows] == [1, 4] and rows == report["levels"]
+    assert report["crossover"]["phase"] == "decode" and report["crossover"]["text"].startswith("crossover: ")
+    for group in report["groups"]:
+        labels = {r["label"] for r in group["busy_by_label"]}
+        assert {"schedule", "prepare_inputs", "launch"} <= labels, group["title"]
+        split = sum(r["ms"] for r in group["busy_by_label"])
+        assert split == pytest.approx(group["busy_ms_median"], rel=1e-9) and split > 0
+
+
 def test_run_records_spans_and_hook_status(sweep):
     run_dir, result = sweep
     from overshoot.rundir.reader import load_run
@@ -345,6 +364,10 @@ def test_bad_options_fail_before_starting_anything(tmp_path):
     assert result.returncode == 2 and "--engine: unknown engine 'sglang'" in result.stderr
     result = overshoot("run", "--hooks", tmp_path / "missing.py:SPEC", "--out", tmp_path / "run")
     assert result.returncode == 2 and "--hooks: no such file" in result.stderr
+    result = overshoot("run", "--bogus")
+    assert result.returncode == 2 and result.stderr.strip() == "overshoot run: error: no such option: --bogus"
+    result = overshoot("run", "--concurency", "2")
+    assert "no such option: --concurency (did you mean --concurrency?)" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

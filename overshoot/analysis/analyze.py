@@ -30,6 +30,7 @@ __all__ = [
     "STEP_COLUMNS",
     "ModeGuess",
     "Summary",
+    "aggregate_levels",
     "detect_mode",
     "extra_fact_columns",
     "group_title",
@@ -317,6 +318,15 @@ def _group_timing(total, source: np.ndarray, count: np.ndarray) -> np.ndarray:
     events = total(np.isin(source, ("events", "estimate")).astype("float64"))
     return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled",
                     np.where(events > 0, "events", "none"))).astype(object)
+
+
+def aggregate_levels(summary: Summary) -> pd.DataFrame:
+    """The group figures per concurrency level, over all the level's summarised steps (analysis/sweep.py:
+    the load sweep table and the live view of `overshoot run`); no rows when the run has no levels."""
+    steps = summary.steps
+    if "concurrency" not in steps.columns or len(steps) == 0 or steps["concurrency"].isna().all():
+        return pd.DataFrame({"concurrency": pd.array([], dtype="Int32")})
+    return _aggregate(steps[steps["concurrency"].notna()], ["concurrency"], [])
 
 
 def _group_windows(df: pd.DataFrame, groups: pd.DataFrame, total, count: np.ndarray) -> np.ndarray:

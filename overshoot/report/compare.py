@@ -1,11 +1,25 @@
-"""`overshoot report A --compare B`: the two reports side by side, per group present in both and per
-client concurrency level, with deltas (relative for times and throughput, points for shares)."""
+"""`overshoot report A --compare B`: the two reports side by side, per group (groups of only one run stay,
+with a dash for the other) and per client concurrency level, with deltas (relative for times and throughput,
+points for shares), each with a bootstrap interval that says whether it is outside the noise."""
 
 from __future__ import annotations
 
+import numpy as np
 from rich.console import Console
 
-from overshoot.report.table import fmt_num, hooks_line, report_table
+from overshoot.analysis import noise
+from overshoot.report.fmt import fmt_num, report_table, signed
+from overshoot.report.table import hooks_line
+
+# (report key, label, format, relative delta?)
+METRICS = (
+    ("step_ms_median", "step ms (median)", ".2f", True),
+    ("busy_ms_median", "busy ms (median)", ".2f", True),
+    ("gpu_ms_median", "GPU ms (median)", ".2f", True),
+    ("cpu_bound_pct", "CPU-bound %", ".0f", False),
+    ("gpu_idle_pct", "GPU idle %", ".1f", False),
+)
+SIDES = {"both": "", "a": " (only in A)", "b": " (only in B)"}
 
 CLIENT_METRICS = {
     "latency_ms_median": "latency ms (median)",
@@ -21,27 +35,52 @@ def _key(g: dict, keys: list[str]) -> tuple:
     return tuple(g.get(k) for k in keys)
 
 
-def compare(a: dict, b: dict) -> list[dict]:
-    """A vs B per group present in both (and per client level): values and deltas."""
+def compare(a: dict, b: dict, *, samples_a: list | None = None, samples_b: list | None = None) -> list[dict]:
+    """A vs B per group of either run: values, deltas and, given each report's per-group step samples
+    (noise.summary_samples), a bootstrap interval per delta. A group of one run only has None for the
+    other's values."""
     keys = [k for k in a["group_keys"] if k in b["group_keys"]]
-    b_groups = {_key(g, keys): g for g in b["groups"]}
+    b_index = {_key(g, keys): i for i, g in enumerate(b["groups"])}
+    pairs: list[tuple[int | None, int | None]] = []
+    for i, ga in enumerate(a["groups"]):
+        pairs.append((i, b_index.pop(_key(ga, keys), None)))
+    pairs += [(None, j) for j in b_index.values()]
+    rng = np.random.default_rng(noise.SEED)
     rows = []
-    for ga in a["groups"]:
-        gb = b_groups.get(_key(ga, keys))
-        if gb is None:
-            continue
-        row = {"title": ga["title"], **{k: ga.get(k) for k in keys}}
-        for name, relative in (
-            ("step_ms_median", True),
-            ("busy_ms_median", True),
-            ("gpu_ms_median", True),
-            ("cpu_bound_pct", False),
-            ("gpu_idle_pct", False),
-        ):
-            va, vb = ga[name], gb[name]
-            row[name] = {"a": va, "b": vb, "delta": _delta(va, vb, relative)}
+    for i, j in pairs:
+        ga = a["groups"][i] if i is not None else None
+        gb = b["groups"][j] if j is not None else None
+        head = ga if ga is not None else gb
+        side = "both" if ga is not None and gb is not None else ("a" if gb is None else "b")
+        row = {"title": head["title"], "in": side, **{k: head.get(k) for k in keys}}
+        intervals = {}
+        if side == "both" and samples_a is not None and samples_b is not None:
+            intervals = noise.delta_intervals(samples_a[i], samples_b[j], rng)
+        for name, _, _, relative in METRICS:
+            va = ga.get(name) if ga else None
+            vb = gb.get(name) if gb else None
+            interval = intervals.get(name)
+            row[name] = {
+                "a": va,
+                "b": vb,
+                "delta": _delta(va, vb, relative),
+                "interval": list(interval) if interval else None,
+                "beyond_noise": noise.beyond_noise(interval),
+            }
+        row["busy_by_label"] = _labels(ga, gb)
         rows.append(row)
     return rows
+
+
+def _labels(ga: dict | None, gb: dict | None) -> list[dict]:
+    """Per label of either group: ms of the median busy in A and B, and the relative delta."""
+    by_a = {r["label"]: r["ms"] for r in (ga or {}).get("busy_by_label") or []}
+    by_b = {r["label"]: r["ms"] for r in (gb or {}).get("busy_by_label") or []}
+    names = [*by_a, *(n for n in by_b if n not in by_a)]
+    return [
+        {"label": n, "a": by_a.get(n), "b": by_b.get(n), "delta": _delta(by_a.get(n), by_b.get(n), True)}
+        for n in names
+    ]
 
 
 def compare_client(a: dict, b: dict) -> list[dict]:
@@ -68,7 +107,19 @@ def _delta(a, b, relative: bool):
     return b - a
 
 
-def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None:
+def _noise_cells(v: dict, unit: str) -> tuple[str, str]:
+    if v["interval"] is None:
+        return "-", "-"
+    low, high = v["interval"]
+    fmt = ".1f"
+    where = "outside" if v["beyond_noise"] else "inside"
+    return f"[{signed(low, fmt)}, {signed(high, fmt)}]{unit}", where
+
+
+def render_compare(a: dict, b: dict, rows: list[dict], console: Console, *, by_label: bool = False) -> None:
+    for name, rep in (("A", a), ("B", b)):
+        if rep.get("status_line"):
+            console.print(f"{name}: {rep['status_line']}", highlight=False, markup=False, style="bold")
     table = report_table(f"A = {a['run_id']}  vs  B = {b['run_id']}")
     for name, justify in (
         ("group", "left"),
@@ -76,32 +127,33 @@ def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None
         ("A", "right"),
         ("B", "right"),
         ("B vs A", "right"),
+        (f"{noise.CONFIDENCE:.0%} interval", "right"),
+        ("noise", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=name != "group")
-    spec = [
-        ("step_ms_median", "step ms (median)", ".2f", "%"),
-        ("busy_ms_median", "busy ms (median)", ".2f", "%"),
-        ("gpu_ms_median", "GPU ms (median)", ".2f", "%"),
-        ("cpu_bound_pct", "CPU-bound %", ".0f", " pts"),
-        ("gpu_idle_pct", "GPU idle %", ".1f", " pts"),
-    ]
     for r in rows:
-        for i, (name, label, fmt, unit) in enumerate(spec):
+        lines = []
+        for name, label, fmt, relative in METRICS:
             v = r[name]
-            delta = "-" if v["delta"] is None else f"{v['delta']:+.1f}{unit}"
-            table.add_row(
-                r["title"] if i == 0 else "",
-                label,
-                fmt_num(v["a"], fmt),
-                fmt_num(v["b"], fmt),
-                delta,
-                end_section=i == len(spec) - 1,
-            )
+            unit = "%" if relative else " pts"
+            lines.append((label, fmt_num(v["a"], fmt), fmt_num(v["b"], fmt), signed(v["delta"], ".1f", unit),
+                          *_noise_cells(v, unit)))  # fmt: skip
+        if by_label:
+            for item in r["busy_by_label"]:
+                lines.append((f"  busy: {item['label']}", fmt_num(item["a"]), fmt_num(item["b"]),
+                              signed(item["delta"], ".1f", "%"), "", ""))  # fmt: skip
+        for i, cells in enumerate(lines):
+            title = r["title"] + SIDES[r["in"]] if i == 0 else ""
+            table.add_row(title, *cells, end_section=i == len(lines) - 1)
     console.print(table)
+    if any(r[m]["interval"] for r in rows for m, *_ in METRICS):
+        console.print(
+            f"noise: {noise.METHOD}; 'outside' when the interval of B vs A excludes zero", highlight=False
+        )
     for name, rep in (("A", a), ("B", b)):
         if rep.get("hook_problems"):
             console.print(f"{name}: {hooks_line(rep['hook_problems'])}", highlight=False, markup=False)
-    if not rows:
+    if not any(r["in"] == "both" for r in rows):
         console.print("no group (level, phase, batch size) is present in both runs", highlight=False)
     client_rows = compare_client(a, b)
     if client_rows:
@@ -111,14 +163,13 @@ def render_compare(a: dict, b: dict, rows: list[dict], console: Console) -> None
         for r in client_rows:
             for i, (name, label) in enumerate(CLIENT_METRICS.items()):
                 v = r[name]
-                delta = "-" if v["delta"] is None else f"{v['delta']:+.1f}%"
                 fmt = ".2f" if name.startswith("itl") else ".1f"
                 client.add_row(
                     str(r["concurrency"]) if i == 0 else "",
                     label,
                     fmt_num(v["a"], fmt),
                     fmt_num(v["b"], fmt),
-                    delta,
+                    signed(v["delta"], ".1f", "%"),
                     end_section=i == len(CLIENT_METRICS) - 1,
                 )
         console.print(client)

@@ -6,13 +6,15 @@ import math
 
 import numpy as np
 import pandas as pd
-from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, group_title, summarize
+from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, Summary, group_title, summarize
 from overshoot.analysis.whatif import WhatIf
+from overshoot.report import sections
+from overshoot.report.fmt import fmt_num, pct, report_table, signed
+from overshoot.report.verdict import top_lines
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
 
@@ -26,7 +28,24 @@ def build_report(
     warmup_steps: int = 0,
     mode: str | None = None,
 ) -> dict:
-    what_ifs = list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)
+    return analyse(run, what_ifs=what_ifs, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                   warmup_steps=warmup_steps, mode=mode)[0]
+
+
+def analyse(
+    run,
+    *,
+    what_ifs: list[WhatIf] | None = None,
+    cpu_bound_ms: float = NEVER_WAITED_MS,
+    cpu_bound_share: float = CPU_BOUND_SHARE,
+    warmup_steps: int = 0,
+    mode: str | None = None,
+    projections: bool = True,
+) -> tuple[dict, Summary]:
+    """The report (a plain dict, what --json prints) and the summary it was built from (its steps serve
+    compare's bootstrap and the plots). `projections=False` skips the what-ifs (check and plot need none,
+    and the replay is the slow part at scale)."""
+    what_ifs = (list(what_ifs) if what_ifs else list(DEFAULT_WHAT_IFS)) if projections else []
     summary = summarize(
         run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share, warmup_steps=warmup_steps, mode=mode,
         what_ifs=what_ifs,
@@ -39,8 +58,13 @@ def build_report(
         row["what_if_pct"] = changes
         row["verdict"] = _verdict(row, what_ifs, summary.mode.mode)
         groups.append(row)
-    return {
+    client = client_stats(run.client)
+    sections.add_sections(groups, run=run, summary=summary)
+    status = (run.meta or {}).get("status")
+    report = {
         "run_id": run.run_id,
+        "status": status,
+        "status_line": sections.status_line(status),
         "engine": (run.meta or {}).get("engine") or next((p.get("engine") for p in run.processes), None),
         "mode": summary.mode.mode,
         "mode_source": summary.mode.source,
@@ -51,11 +75,15 @@ def build_report(
         "group_keys": summary.group_keys,
         "what_ifs": [w.label for w in what_ifs],
         "groups": groups,
-        "client": client_stats(run.client),
+        "top_lines": top_lines(groups, [w.label for w in what_ifs]),
+        "levels": sections.levels(summary, client),
+        "crossover": sections.crossover(groups),
+        "client": client,
         "hook_problems": hook_problems(run),
         "notes": summary.notes,
         "warnings": list(run.warnings),
     }
+    return report, summary
 
 
 def hook_problems(run) -> list[dict]:
@@ -109,30 +137,23 @@ def _plain(value):
     return value
 
 
-def _pct(value, digits: int = 0) -> str:
-    if value is None:
-        return "n/a"
-    text = f"{value:.{digits}f}"
-    return (text[1:] if text.startswith("-") and float(text) == 0 else text) + "%"  # never "-0%"
-
-
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     """One line per group: the verdict (GPU starved), the thread's view, GPU idle and where it was known."""
     idle, inside = row["gpu_idle_pct"], row.get("gpu_idle_in_step_pct")
     if row["cpu_bound_pct"] is None:
         parts = ["CPU-bound unknown (no GPU times)"]
     else:
-        parts = [f"{_pct(row['cpu_bound_pct'])} of steps CPU-bound"]
+        parts = [f"{pct(row['cpu_bound_pct'])} of steps CPU-bound"]
     if mode == "sync" and row["cpu_share_pct"] is not None:
-        parts.insert(0, f"CPU busy {_pct(row['cpu_share_pct'])} of the step")
-    parts.append(f"the thread never waited in {_pct(row['thread_never_waited_pct'])}")
+        parts.insert(0, f"CPU busy {pct(row['cpu_share_pct'])} of the step")
+    parts.append(f"the thread never waited in {pct(row['thread_never_waited_pct'])}")
     if idle is None:
         parts.append("GPU idle n/a (no GPU times)")
     elif inside is None:
-        parts.append(f"GPU idle {_pct(idle)} (between steps; inside them unknown: CUDA events only)")
+        parts.append(f"GPU idle {pct(idle)} (between steps; inside them unknown: CUDA events only)")
     else:
         busy = row.get("gpu_busy_ms_median")
-        parts.append(f"GPU idle {_pct(idle)} ({_pct(inside)} inside steps, GPU busy {fmt_num(busy)} ms a "
+        parts.append(f"GPU idle {pct(idle)} ({pct(inside)} inside steps, GPU busy {fmt_num(busy)} ms a "
                      f"step, {row['gpu_timing']})")
     for w in what_ifs:
         change = row["what_if_pct"][w.label]
@@ -186,11 +207,11 @@ def _level_gaps(ok: pd.DataFrame) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0)
 
 
-def fmt_num(value, fmt: str = ".2f") -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def render(report: dict, console: Console) -> None:
+def render(report: dict, console: Console, *, by_label: bool = False) -> None:
+    if report.get("status_line"):  # first: every figure below is partial
+        console.print(report["status_line"], highlight=False, markup=False, style="bold")
+    for line in report.get("top_lines") or []:
+        console.print(f"verdict: {line}", highlight=False, markup=False)
     table = _groups_table(report, report["what_ifs"])
     wide = console.options.update_width(10_000)  # measure unclamped: Measurement caps at the options width
     narrow = report["what_ifs"] and Measurement.get(console, wide, table).maximum > console.width
@@ -207,6 +228,9 @@ def render(report: dict, console: Console) -> None:
                       "in step ?: GPU idle inside steps unknown without kernel timing", highlight=False)
     for g in report["groups"]:
         console.print(f"- {g['verdict']}", highlight=False)
+    if by_label:
+        sections.render_by_label(report, console)
+    sections.render_sweep(report, console)
     if report["client"]:
         console.print(_client_table(report["client"]))
     for note in report["notes"]:
@@ -252,17 +276,14 @@ def _groups_table(report: dict, what_ifs: list[str]) -> Table:
             fmt_num(g["busy_ms_median"]),
             fmt_num(g["wait_ms_median"]),
             _gpu_cell(g),
-            _pct(g["cpu_bound_pct"]),
-            _pct(g["gpu_idle_pct"]),
+            pct(g["cpu_bound_pct"]),
+            pct(g["gpu_idle_pct"]),
             "?" if g.get("gpu_idle_in_step_pct") is None and g["gpu_idle_pct"] is not None
-            else _pct(g.get("gpu_idle_in_step_pct")),
+            else pct(g.get("gpu_idle_in_step_pct")),
         ]
         if drafts:
             cells += [fmt_num(g.get(key), ".1f") for key in ("spec_tokens_mean", "accepted_tokens_mean")]
-        cells += [
-            fmt_num(g["what_if_pct"][label], "+.1f") + "%" if g["what_if_pct"][label] is not None else "-"
-            for label in what_ifs
-        ]
+        cells += [signed(g["what_if_pct"][label], ".1f", "%") for label in what_ifs]
         table.add_row(*cells)
     return table
 
@@ -279,18 +300,6 @@ def _level_cell(group: dict) -> str:
     if group.get("concurrency") is None:
         return "warm-up" if group.get("load_window") == "warmup" else "-"
     return str(group["concurrency"])
-
-
-def report_table(title: str) -> Table:
-    # Compact: fits 80 columns for the common case (no level column, two what-ifs).
-    return Table(
-        title=title,
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 0),
-        pad_edge=False,
-        show_edge=False,
-    )
 
 
 def _client_table(rows: list[dict]) -> Table:

@@ -19,11 +19,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from engine_hooks import registry
 from engine_hooks import status as hook_status
-from overshoot.run import launch
+from overshoot.report.fmt import output_console
+from overshoot.run import launch, live
 from overshoot.run.launch import LaunchError, Server
 from overshoot.run.load import LoadError, LoadPlan, LoadResults, run_sweep
 from overshoot.rundir.meta import host_info, now_iso, read_meta, update_meta, versions, write_meta
@@ -201,7 +202,7 @@ def execute(o: RunOptions) -> int:
         "versions": versions(), "server_log": "server.log", "status": "starting",
         **({} if scheduling is None else {"async_scheduling": scheduling}),
     })  # fmt: skip
-    console = Console()
+    console = output_console()
     header = f"overshoot run: {run_dir} · server: {' '.join(command)}"
     console.print(header, highlight=False, markup=False, soft_wrap=True)
     # Every known spec is installed lazily (on import of its engine) unless --engine narrows the choice.
@@ -248,25 +249,39 @@ def execute(o: RunOptions) -> int:
 async def _load_watching_server(
     server: Server, plan: LoadPlan, results: LoadResults, console, run_dir
 ) -> None:
+    view = live.LiveView(run_dir, results, per_level=plan.requests_per_level)
+    terminal = console.is_terminal  # else (CI logs, pipes): plain progress lines instead of a live display
+
     def save() -> None:  # after each level: a SIGKILL of overshoot run still leaves tagged levels behind
         results.write(run_dir)
         update_meta(run_dir, {"levels": results.levels})
+        view.level_done()
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    progress = live.LiveProgress(*columns, console=console, view=view) if terminal else None
+    with progress if progress is not None else contextlib.nullcontext():
         load = asyncio.ensure_future(run_sweep(plan, results, progress=progress, on_level_done=save))
-        with _sigterm_cancels(load) as terminated:
-            while not load.done():
-                await asyncio.wait({load}, timeout=0.25)
-                exit_code = server.exited()
-                if exit_code is not None and not load.done():
-                    load.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await load
-                    raise LaunchError(f"the server exited with code {exit_code} during the load")
-            if terminated:
-                raise Terminated()
+        on_refresh = None if terminal else lambda: view.print_plain(console)
+        refresher = asyncio.ensure_future(view.refresh_forever(on_refresh))
+        try:
+            with _sigterm_cancels(load) as terminated:
+                while not load.done():
+                    await asyncio.wait({load}, timeout=0.25)
+                    exit_code = server.exited()
+                    if exit_code is not None and not load.done():
+                        load.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await load
+                        raise LaunchError(f"the server exited with code {exit_code} during the load")
+                if terminated:
+                    raise Terminated()
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
         load.result()
+        if terminal:
+            await asyncio.to_thread(view.refresh)  # the panel left on screen: as fresh as it gets
 
 
 @contextlib.contextmanager

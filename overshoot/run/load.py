@@ -42,6 +42,12 @@ class LoadPlan:
     model: str | None = None  # None: the first of /v1/models
     request_timeout: float = 600.0
 
+    def requests_per_level(self, concurrency: int) -> int | None:
+        """Requests a level sends (None: timed levels, --duration)."""
+        if self.duration is not None:
+            return self.requests
+        return self.requests if self.requests is not None else 4 * concurrency
+
 
 @dataclass
 class LoadResults:
@@ -235,9 +241,7 @@ async def run_sweep(plan: LoadPlan, results: LoadResults, *, progress=None, on_l
                 await run_level(
                     session, plan, results, concurrency, count=warmup, duration=None, record=False
                 )
-            count = (
-                plan.requests if plan.requests is not None or plan.duration is not None else 4 * concurrency
-            )
+            count = plan.requests_per_level(concurrency)
             task = None
             if progress is not None:
                 total = count if plan.duration is None else None

@@ -1,0 +1,118 @@
+"""Parts of `overshoot report` beside the groups table: the run's status line, busy time by label per group
+(`--by-label`), the load sweep per level with its crossover."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from overshoot.analysis import labels, sweep
+from overshoot.analysis.analyze import Summary
+from overshoot.report.fmt import fmt_num, pct, report_table
+
+MAX_LABEL_COLUMNS = 8  # more labels than this: the smallest are shown together as "other labels"
+STATUS_LINES = {
+    "interrupted": "interrupted run (meta.json status 'interrupted'): the figures cover what was recorded "
+    "before the interruption",
+    "failed": "failed run (meta.json status 'failed'): the figures cover what was recorded before the "
+    "failure",
+    "starting": "unfinished run (meta.json status 'starting'): `overshoot run` never finished it (killed, or "
+    "still running); the figures cover what was flushed so far",
+}
+
+
+def status_line(status: str | None) -> str | None:
+    """The report's first line when the run did not end normally (None: it did, or no status recorded)."""
+    if status in (None, "ok"):
+        return None
+    return STATUS_LINES.get(status, f"run status {status!r} in meta.json: the figures may be partial")
+
+
+def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
+    """Adds each group's busy time by label (key busy_by_label) to the report's group dicts."""
+    spans = run.spans
+    if spans is not None and len(spans):
+        pid, thread = summary.primary
+        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
+        spans = spans if mine.all() else spans[mine]
+    split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
+    for group, rows in zip(groups, split, strict=True):
+        group["busy_by_label"] = rows
+
+
+def levels(summary: Summary, client: list[dict]) -> list[dict]:
+    return sweep.level_rows(summary, client)
+
+
+def crossover(groups: list[dict]) -> dict | None:
+    return sweep.crossover(groups)
+
+
+def label_columns(groups: list[dict]) -> list[str]:
+    """Labels in order of their busy time over all groups (step-weighted), at most MAX_LABEL_COLUMNS."""
+    weight: dict[str, float] = {}
+    for g in groups:
+        for r in g.get("busy_by_label") or []:
+            weight[r["label"]] = weight.get(r["label"], 0.0) + r["ms"] * g["steps"]
+    ordered = sorted(weight, key=lambda k: -weight[k])
+    if len(ordered) > MAX_LABEL_COLUMNS:
+        ordered = [*ordered[: MAX_LABEL_COLUMNS - 1], "other labels"]
+    return ordered
+
+
+def render_by_label(report: dict, console: Console) -> None:
+    groups = [g for g in report["groups"] if g.get("busy_by_label")]
+    if not groups:
+        console.print("busy by label: no labelled busy spans recorded", highlight=False)
+        return
+    names = label_columns(groups)
+    table = report_table("CPU busy by label: ms of the median busy (share of busy)")
+    table.add_column("group", justify="left", no_wrap=True)
+    table.add_column("busy\nms", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right", overflow="fold")
+    shown = set(names) - {"other labels"}
+    for g in groups:
+        by = {r["label"]: r for r in g["busy_by_label"]}
+        rest = [r for label, r in by.items() if label not in shown]
+        if "other labels" in names:
+            by["other labels"] = {
+                "ms": sum(r["ms"] for r in rest), "share_pct": sum(r["share_pct"] for r in rest)
+            }
+        cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
+        table.add_row(g["title"], fmt_num(g["busy_ms_median"]), *cells)
+    console.print(table)
+
+
+def render_sweep(report: dict, console: Console) -> None:
+    """The load sweep per level and its crossover line (runs with two levels or more)."""
+    rows = report.get("levels") or []
+    if len(rows) >= 2:
+        console.print(sweep_table(rows, title="load sweep: all steps of each level"))
+    if report.get("crossover"):
+        console.print(report["crossover"]["text"], highlight=False, markup=False)
+
+
+def sweep_table(rows: list[dict], *, title: str, requests: dict[int, str] | None = None):
+    """Per level: steps, median step, CPU busy and GPU ms, CPU-bound and GPU idle shares, output tokens/s
+    (also the live view of `overshoot run`, which adds a requests column)."""
+    table = report_table(title)
+    names = ["level", *(["requests"] if requests is not None else []), "steps", "step\nms", "busy\nms",
+             "GPU\nms", "CPU-\nbound", "GPU\nidle", "output\ntok/s"]  # fmt: skip
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        gpu = r.get(sweep.gpu_column(r))
+        cells = [str(r["concurrency"])]
+        if requests is not None:
+            cells.append(requests.get(r["concurrency"], "-"))
+        cells += [
+            str(r["steps"]),
+            fmt_num(r["step_ms_median"]),
+            fmt_num(r["busy_ms_median"]),
+            fmt_num(gpu),
+            pct(r["cpu_bound_pct"]),
+            pct(r["gpu_idle_pct"]),
+            fmt_num(r["tokens_per_s"], ".1f"),
+        ]
+        table.add_row(*cells)
+    return table
