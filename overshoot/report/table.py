@@ -19,17 +19,9 @@ from overshoot.report.verdict import top_lines
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
 
 
-def build_report(
-    run,
-    *,
-    what_ifs: list[WhatIf] | None = None,
-    cpu_bound_ms: float = NEVER_WAITED_MS,
-    cpu_bound_share: float = CPU_BOUND_SHARE,
-    warmup_steps: int = 0,
-    mode: str | None = None,
-) -> dict:
-    return analyse(run, what_ifs=what_ifs, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
-                   warmup_steps=warmup_steps, mode=mode)[0]
+def build_report(run, **options) -> dict:
+    """The report alone (analyse's keyword options)."""
+    return analyse(run, **options)[0]
 
 
 def analyse(
