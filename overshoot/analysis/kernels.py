@@ -66,11 +66,11 @@ def empty_kernels(n: int) -> StepKernels:
                        np.empty(0, "int64"), np.empty(0), np.empty(0), nan())
 
 
-def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
-                       has_kernels: bool) -> np.ndarray:
-    """Steps lying inside a kernel-timing window. No windows but kernels: the whole run was recorded."""
+def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None) -> np.ndarray:
+    """Steps lying inside a kernel-timing window (called with kernels recorded). No windows: the whole run
+    was recorded."""
     if windows is None or len(windows) == 0:
-        return np.full(len(start), has_kernels)
+        return np.ones(len(start), bool)
     w = windows.sort_values("start_ns")
     w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
     i = np.searchsorted(w_start, start, side="right") - 1
@@ -88,7 +88,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
         return empty_kernels(n)
     start = timeline["start_ns"].to_numpy("float64")
     end = timeline["end_ns"].to_numpy("float64")
-    inst = instrumented_steps(start, end, windows, True)
+    inst = instrumented_steps(start, end, windows)
     g_start = kernels["gpu_start_ns"].to_numpy("float64")
     g_end = kernels["gpu_end_ns"].to_numpy("float64")
     l_start = kernels["launch_start_ns"].to_numpy("float64", na_value=np.nan)

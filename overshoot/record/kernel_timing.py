@@ -1,17 +1,18 @@
 """Kernel timing: windows of steps in which a collector records every GPU kernel and copy (docs/concepts.md).
 
 Two CUDA events a step see the GPU interval, not the gaps between kernels inside it; kernel records do. The
-collector (CUPTI by default, record/cupti.py; anything with the `Collector` methods, e.g. a synthetic device)
+collector (CUPTI by default, record/cupti/; anything with the `Collector` methods, e.g. a synthetic device)
 is switched on and off at step boundaries by the engine thread, which costs a call into the collector and
 nothing else. Its records are parsed and handed to `Recorder.kernel_spans` on a thread of its own, so the
 engine thread does no work per kernel. Each window is stored (`Recorder.kernel_window`) so the analyzer
 knows which steps were instrumented.
 
 Modes: "kernels" records every step (one window for the whole run). "sampled" records windows of
-`window_steps` steps and spaces them so that the measured slowdown inside windows, averaged over the run,
-stays within `budget` (the spacing adapts: a collector that slows eager steps 3x gets windows far apart, one
-that costs 3% gets them often); a window also opens early, after at least `min_gap` steps, the first time a
-(phase, batch size) is seen outside any window, so every group of a load sweep gets kernel data.
+`window_steps` steps and spaces them so that what a window costs (the measured slowdown of its steps and the
+time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
+that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
+early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
+every group of a load sweep gets kernel data.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ class KernelSampler:
             self._on = False
             self.recorder._sampler = None
             self.recorder._io.note_error(f"kernel timing stopped: {type(e).__name__}: {e}")
+            self._stop.set()  # the recorder no longer closes this sampler: end its drain thread now
+            self._wake.set()
             return perf_counter_ns()
         t_after = perf_counter_ns()
         if on:
