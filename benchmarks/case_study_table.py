@@ -89,16 +89,14 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     if args.truth:
         row |= profiler_truth(flags, args)
         if row.get("profiler_busy_ms") and row.get("step_ms_median"):
-            # the profiler's kernel time over this server's plain decode step: its own process generates
-            # without the HTTP server and its step is faster, so its per-token time is no step time here
+            # the profiler's kernel time a decode step over this server's plain decode step: its own process
+            # generates without the HTTP server and its step is faster, so its step time is no step time here
             row["profiler_idle_pct"] = 100 * (1 - row["profiler_busy_ms"] / row["step_ms_median"])
     return row
 
 
 def profiler_truth(flags: list[str], args: argparse.Namespace) -> dict:
     """torch.profiler's GPU idle share of the same configuration, in a process of its own."""
-    if "--spec-tokens" in flags:  # a token is not a step when speculating: per-token busy would not compare
-        return {"truth_error": "speculative: steps and tokens differ"}
     engine_flags = [*flags] + ([] if "--no-async-scheduling" in flags else ["--async-scheduling"])
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_truth.py"), "engine", "--preset", args.preset,
@@ -109,7 +107,7 @@ def profiler_truth(flags: list[str], args: argparse.Namespace) -> dict:
         return {"truth_error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     truth = json.loads(done.stdout.strip().splitlines()[-1])
     return {"profiler_idle_pct": truth["profiler_idle_pct"],
-            "profiler_busy_ms": truth["profiler_busy_ms_per_token"]}
+            "profiler_busy_ms": truth["profiler_busy_ms_per_step"]}
 
 
 def fmt(value, spec: str, missing: str = "n/a") -> str:

@@ -248,7 +248,8 @@ def print_synthetic(rows: list[dict]) -> None:
 
 def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,
                  rounds: int) -> dict:
-    """Plain decode step time and torch.profiler's kernel busy per decode step of the reference engine."""
+    """Plain time and torch.profiler's kernel busy per decode step of the reference engine (the engine's own
+    step count: a speculative step makes several tokens)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -259,21 +260,28 @@ def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prom
     prompts = [[(17 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up, graph capture
+
+    def generate() -> int:
+        """Decode steps of one generation."""
+        before = engine.stats.decode_steps
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        return engine.stats.decode_steps - before
+
     times = []
     for _ in range(rounds):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3 / tokens)
+        steps = generate()
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-    busy = _kernel_busy_ms(prof) / tokens  # a decode step a token (the prefill's small share: see "note")
+        steps = generate()
+    busy = _kernel_busy_ms(prof) / steps  # the prefill's small share included (see "note")
     step = statistics.median(times)
-    return {"plain_ms_per_token": step, "profiler_busy_ms_per_token": busy,
-            "profiler_idle_pct": 100 * (1 - busy / step),
-            "note": "per token: prefill included, decode dominates"}
+    engine.shutdown()
+    return {"plain_ms_per_step": step, "profiler_busy_ms_per_step": busy, "decode_steps": steps,
+            "tokens_per_step": tokens / steps, "profiler_idle_pct": 100 * (1 - busy / step),
+            "note": "per decode step: prefill included, decode dominates"}
 
 
 def main() -> int:

@@ -5,15 +5,17 @@
     python benchmarks/hook_overhead.py --preset tiny --tokens 32 --modes events   # smoke run (CPU: eager)
 
 Per configuration (the case study's, benchmarks/case_study_table.py), one process builds one engine and
-generates the same greedy requests in alternating rounds: plain, then hooked with each GPU timing mode
-(engine_hooks.reference.SPEC installed by the patcher, a Recorder writing a run directory), so every way
-shares the weights, the graphs and the machine's state. Reported per batch and mode: ms per generated token
-(median over rounds) and its ratio to plain, after a short hooked generation opened the recorder (a
-once-a-process cost, not a per-step one). Each hooked round's run directory is read back: decode steps
-recorded, with a GPU interval, and with kernel records. With --profiler, one last round runs under
-torch.profiler (CUDA activity only) for its cost on the same steps (last: it takes over CUPTI).
-Several configurations run one process each. Prints a table last; writes hook_overhead.json under --out.
-"""
+generates the same greedy requests in rounds: each round runs plain and hooked with each GPU timing mode, in
+an order that rotates from round to round (engine_hooks.reference.SPEC installed by the patcher), so every way
+shares the weights, the graphs and the machine's state. Each mode keeps one Recorder (one run directory) over
+all its rounds, as a served engine keeps one over a run: sampled mode's windows are spaced over the whole
+run, not restarted every round. Reported per batch and mode, with the round as the unit (plain and hooked
+of one round are a pair): the ratio of hooked to plain time summed over rounds (the cost averaged over a
+run), a 90% bootstrap interval of it over rounds, and the median of the per-round ratios. Each mode's run
+directory is read back: decode steps recorded, with a GPU interval, and with kernel records. With
+--profiler, one last round runs under torch.profiler (CUDA activity only) for its cost on the same steps
+(last: it takes over CUPTI). Several configurations run one process each. Prints a table last; writes
+hook_overhead.json under --out."""
 
 from __future__ import annotations
 
@@ -49,31 +51,43 @@ def timed_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
     return (time.perf_counter() - start) / tokens * 1e3
 
 
-def hooked_round(engine, run_dir: Path, batch: int, tokens: int, prompt_len: int, gpu_timing: str) -> float:
-    """timed_round with the hooks installed for it (and removed after: the next round runs plain)."""
-    from engine_hooks import patcher
-    from engine_hooks.reference import SPEC
-    from overshoot.record.recorder import Recorder
-    from reference_engine.engine import SamplingParams
+class HookedMode:
+    """One GPU timing mode's Recorder, kept over all rounds; the hooks are installed around each of its
+    rounds only (the plain rounds between run unhooked)."""
 
-    opened: list[Recorder] = []
+    def __init__(self, run_dir: Path, gpu_timing: str):
+        self.run_dir, self.gpu_timing = run_dir, gpu_timing
+        self.recorder = None
 
-    def factory(name: str, process_info: dict) -> Recorder:
-        opened.append(Recorder(run_dir, engine=name, process_info=process_info, gpu_timing=gpu_timing))
-        return opened[-1]
+    def factory(self, name: str, process_info: dict):
+        from overshoot.record.recorder import Recorder
 
-    statuses = patcher.install(SPEC, recorder_factory=factory)
-    if any(s.status != "installed" for s in statuses):
-        raise SystemExit(f"hooks not installed: {statuses}")
-    try:
-        # The recorder opens at the first hooked call (run directory, spool files): once a process, so a
-        # short generation opens it before the timed one, which then measures the hooks' cost per step.
-        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
-        return timed_round(engine, batch, tokens, prompt_len)
-    finally:
-        patcher.reset()
-        for rec in opened:
-            rec.close()
+        if self.recorder is None:
+            self.recorder = Recorder(self.run_dir, engine=name, process_info=process_info,
+                                     gpu_timing=self.gpu_timing)
+        return self.recorder
+
+    def round(self, engine, batch: int, tokens: int, prompt_len: int) -> float:
+        """timed_round with the hooks installed for it (and removed after: the next round runs plain)."""
+        from engine_hooks import patcher
+        from engine_hooks.reference import SPEC
+        from reference_engine.engine import SamplingParams
+
+        statuses = patcher.install(SPEC, recorder_factory=self.factory)
+        if any(s.status != "installed" for s in statuses):
+            raise SystemExit(f"hooks not installed: {statuses}")
+        try:
+            if self.recorder is None:
+                # The recorder opens at the first hooked call (run directory, spool files, CUPTI): once a
+                # process, so a short generation opens it before the first timed round.
+                engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+            return timed_round(engine, batch, tokens, prompt_len)
+        finally:
+            patcher.reset()
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
@@ -84,7 +98,7 @@ def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
 
 
 def check_run(run_dir: Path, cuda: bool) -> dict:
-    """Decode steps recorded in a hooked round's run directory, with GPU intervals and with kernel records."""
+    """Decode steps recorded in a mode's run directory, with GPU intervals and with kernel records."""
     from overshoot.analysis.steps import joined_steps
     from overshoot.rundir.reader import load_run
 
@@ -98,8 +112,21 @@ def check_run(run_dir: Path, cuda: bool) -> dict:
             "switch_ms": float(switch.sum() / 1e6), "switches": int(len(switch))}
 
 
+def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> dict:
+    """Hooked over plain time summed over rounds, its 90% bootstrap interval (rounds resampled as pairs)
+    and the median per-round ratio."""
+    import numpy as np
+
+    p, h = np.asarray(plain), np.asarray(hooked)
+    picks = np.random.default_rng(seed).integers(0, len(p), size=(2000, len(p)))
+    boot = h[picks].sum(axis=1) / p[picks].sum(axis=1)
+    return {"ratio": float(h.sum() / p.sum()), "low": float(np.quantile(boot, 0.05)),
+            "high": float(np.quantile(boot, 0.95)), "median_ratio": float(np.median(h / p)),
+            "ms": float(np.median(h))}
+
+
 def measure_config(name: str, args) -> dict:
-    """One configuration in this process: alternating rounds, plain and each mode."""
+    """One configuration in this process: rounds of plain and each mode, the order rotating."""
     import torch
 
     from benchmarks.case_study_table import CONFIGS
@@ -115,23 +142,29 @@ def measure_config(name: str, args) -> dict:
     engine = Engine(config_from_args(serve_args))
     engine.generate([[5, 6, 7]] * max(args.batches), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rows = []
+    deadline = time.monotonic() + args.budget_s if args.budget_s else None
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
             timed_round(engine, batch, args.tokens, args.prompt_len)  # graphs of this batch size captured
-            times: dict[str, list[float]] = {"plain": [], **{m: [] for m in args.modes}}
-            checks: dict[str, list[dict]] = {m: [] for m in args.modes}
-            for i in range(args.rounds):
-                times["plain"].append(timed_round(engine, batch, args.tokens, args.prompt_len))
-                for mode in args.modes:
-                    run_dir = Path(tmp) / f"b{batch}-{mode}-r{i}"
-                    times[mode].append(hooked_round(engine, run_dir, batch, args.tokens, args.prompt_len,
-                                                    mode))
-                    checks[mode].append(check_run(run_dir, cuda))
-            plain = statistics.median(times["plain"])
-            row = {"config": name, "label": label, "batch": batch, "plain_ms": plain, "rounds": times,
-                   "modes": {m: {"ms": statistics.median(times[m]),
-                                 "ratio": statistics.median(times[m]) / plain, "runs": checks[m]}
-                             for m in args.modes}}
+            ways = ["plain", *args.modes]
+            times: dict[str, list[float]] = {w: [] for w in ways}
+            hooked = {m: HookedMode(Path(tmp) / f"b{batch}-{m}", m) for m in args.modes}
+            try:
+                for i in range(args.rounds):
+                    if deadline and i >= 2 and time.monotonic() > deadline:
+                        break  # a time-boxed run keeps the rounds it finished (all ways of each)
+                    for way in ways[i % len(ways):] + ways[:i % len(ways)]:
+                        times[way].append(
+                            timed_round(engine, batch, args.tokens, args.prompt_len) if way == "plain"
+                            else hooked[way].round(engine, batch, args.tokens, args.prompt_len))
+            finally:
+                for mode in hooked.values():
+                    mode.close()
+            rounds = len(times["plain"])
+            row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
+                   "plain_ms": statistics.median(times["plain"]), "rounds": times,
+                   "modes": {m: {**paired_cost(times["plain"], times[m]),
+                                 "run": check_run(hooked[m].run_dir, cuda)} for m in args.modes}}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
         if args.profiler and cuda:
@@ -143,24 +176,29 @@ def measure_config(name: str, args) -> dict:
 
 
 def print_table(results: list[dict], args) -> None:
-    print(f"\n{args.preset}, {args.tokens} tokens a request, median of {args.rounds} alternating rounds; "
-          "ms per token and its ratio to plain")
+    print(f"\n{args.preset}, {args.tokens} tokens a request, rounds alternating in a rotating order; per "
+          "mode: hooked / plain time over all rounds [90% bootstrap interval]; profiler: one round over the "
+          "median")
     modes = [*args.modes] + (["profiler"] if args.profiler else [])
-    print(f"{'configuration':28} {'batch':>5} {'plain':>7} " + " ".join(f"{m:>16}" for m in modes)
-          + "  kernel steps / decode steps")
+    print(f"{'configuration':22} {'batch':>5} {'rounds':>6} {'plain ms':>8} "
+          + " ".join(f"{m:>22}" for m in modes) + "  kernel steps / decode steps")
     for result in results:
         for row in result.get("rows", []):
             cells = []
             for m in modes:
                 cell = row["modes"].get(m) if m != "profiler" else row.get("profiler")
-                cells.append(f"{cell['ms']:8.3f} {cell['ratio']:6.3f}x" if cell else f"{'-':>16}")
-            recorded = ", ".join(
-                f"{m}: {r['runs'][0]['with_kernels']}/{r['runs'][0]['decode_steps']}"
-                for m, r in row["modes"].items() if m != "events")
-            print(f"{row['config']:28} {row['batch']:>5} {row['plain_ms']:7.3f} " + " ".join(cells)
-                  + f"  {recorded}")
+                if cell is None:
+                    cells.append(f"{'-':>22}")
+                elif m == "profiler":
+                    cells.append(f"{cell['ratio']:>21.3f}x")
+                else:
+                    cells.append(f"{cell['ratio']:6.3f}x [{cell['low']:.3f}-{cell['high']:.3f}]")
+            recorded = ", ".join(f"{m}: {r['run']['with_kernels']}/{r['run']['decode_steps']}"
+                                 for m, r in row["modes"].items() if m != "events")
+            print(f"{row['config']:22} {row['batch']:>5} {row['rounds_done']:>6} {row['plain_ms']:8.3f} "
+                  + " ".join(cells) + f"  {recorded}")
         if "error" in result:
-            print(f"{result['config']:28} error: {result['error']}")
+            print(f"{result['config']:22} error: {result['error']}")
 
 
 def main() -> int:
@@ -176,6 +214,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="rounds each way, alternating")
     parser.add_argument("--profiler", action="store_true", help="also time one torch.profiler round")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="per configuration and batch: stop starting rounds after this many seconds")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this configuration here
     args = parser.parse_args()
@@ -194,7 +234,8 @@ def main() -> int:
     for name in names:  # one process a configuration: its own engine and CUPTI state
         argv = ["--preset", args.preset, "--modes", ",".join(args.modes), "--rounds", str(args.rounds),
                 "--batches", ",".join(map(str, args.batches)), "--tokens", str(args.tokens),
-                "--prompt-len", str(args.prompt_len), *(["--profiler"] if args.profiler else [])]
+                "--prompt-len", str(args.prompt_len), "--budget-s", str(args.budget_s),
+                *(["--profiler"] if args.profiler else [])]
         done = subprocess.run([sys.executable, __file__, *argv, "--one", name], cwd=ROOT, capture_output=True,
                               text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

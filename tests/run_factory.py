@@ -38,11 +38,16 @@ def simulate_timeline(
     batch_size: int = 1,
     seed: int = 0,
     phase: str = "decode",
+    long_every: int = 0,
+    long_cpu_ms: float = 10.0,
+    long_gpu_ms: float = 12.0,
 ) -> Frames:
     """Steps of: busy `cpu_ms` (± jitter), launch GPU work of `gpu_ms`, wait, busy `post_ms`.
 
     sync: each step waits for its own GPU work; async: record n launches batch n+1 and waits for batch n.
-    Waits carry 5 µs of call overhead plus 3 µs wake-up, like a real future.
+    Waits carry 5 µs of call overhead plus 3 µs wake-up, like a real future. With `long_every`, every such
+    step is a "prefill" that launches its GPU work (`long_gpu_ms`) at once and then stays busy for
+    `long_cpu_ms` (a launch-bound eager prefill, as two CUDA events see it).
     """
     rng = np.random.default_rng(seed)
     t = float(start_ns)
@@ -55,10 +60,18 @@ def simulate_timeline(
             t += idle_ms * 1e6
         begin = t
         busy = cpu_ms * 1e6 * (1.0 + jitter * rng.uniform(-1.0, 1.0))
-        spans.append((i, "busy", "schedule", int(t), int(busy)))
-        t += busy
-        g_start = max(t, gpu_free)
-        gpu_free = g_start + gpu_ms * 1e6
+        long = bool(long_every) and i % long_every == long_every - 1
+        if long:
+            busy = long_cpu_ms * 1e6
+            spans.append((i, "busy", "launch", int(t), int(busy)))
+            g_start = max(t, gpu_free)
+            gpu_free = g_start + long_gpu_ms * 1e6
+            t += busy
+        else:
+            spans.append((i, "busy", "schedule", int(t), int(busy)))
+            t += busy
+            g_start = max(t, gpu_free)
+            gpu_free = g_start + gpu_ms * 1e6
         gpu.append((i, int(g_start), int(gpu_free)))
         awaited = gpu_free if mode == "sync" else (pending if pending is not None else t)
         pending = gpu_free
@@ -67,7 +80,8 @@ def simulate_timeline(
         spans.append((i, "wait", "gpu", int(wait_start), int(wait_end - wait_start)))
         spans.append((i, "busy", "update", int(wait_end), int(post_ms * 1e6)))
         t = wait_end + post_ms * 1e6
-        steps.append((i, int(begin), int(t), int(wait_end - wait_start), batch_size, batch_size, phase))
+        steps.append((i, int(begin), int(t), int(wait_end - wait_start), batch_size, batch_size,
+                      "prefill" if long else phase))
     return Frames(
         pd.DataFrame(steps, columns=BASE_SCHEMAS["steps"].names),
         pd.DataFrame(spans, columns=BASE_SCHEMAS["spans"].names),

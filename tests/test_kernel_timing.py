@@ -136,3 +136,87 @@ def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_pat
     gap_steps = [int(((steps["start_ns"] > a) & (steps["start_ns"] < b)).sum())
                  for a, b in zip(windows["end_ns"][:-1], windows["start_ns"][1:], strict=True)]
     assert len(windows) >= 2 and min(gap_steps) >= 0.8 * 2e6 / (0.05 * plain_ns), (gap_steps, plain_ns)
+
+
+class InFlightAtSwitchOff(VirtualCollector):
+    """CUPTI as seen on the H200: a kernel still running when its kind is switched off is handed over at a
+    later collect with that collect's time as its end; kernels still running stay pending (forced at the
+    last collect)."""
+
+    def __init__(self):
+        super().__init__()
+        self.off_ns = float("inf")
+        self.pending: list[tuple[int, int, int, int]] = []
+
+    def enable(self) -> None:
+        super().enable()
+        self.off_ns = float("inf")
+
+    def disable(self) -> None:
+        super().disable()
+        self.off_ns = perf_counter_ns()
+
+    def launch_kernel(self, gpu_free: int, kernel_ns: int) -> int:
+        t = perf_counter_ns()
+        start = max(t + 2_000, gpu_free)
+        spin(LAUNCH_NS)
+        if self.on:
+            self.pending.append((t, t + LAUNCH_NS, start, start + kernel_ns))
+        return start + kernel_ns
+
+    def collect(self, *, final: bool = False) -> dict | None:
+        now = perf_counter_ns()
+        done = [r for r in self.pending if r[3] <= now or final]
+        self.pending = [r for r in self.pending if not (r[3] <= now or final)]
+        self.rows += [r if r[3] <= self.off_ns else (*r[:3], now) for r in done]
+        return super().collect(final=final)
+
+
+def _gpu_bound_run(tmp_path, *, fence: bool, steps: int = 120):
+    """Async steps of 4 launches of 150 µs kernels (GPU-bound): each step waits for the previous step's
+    work, so at every step boundary one step's kernels are still running."""
+    kernel_ns = 150_000
+    rec = Recorder(tmp_path / str(fence), engine="virtual", gpu_timing="sampled")
+    collector = InFlightAtSwitchOff()
+    device = {"free": 0}
+
+    def gpu_done():
+        target = device["free"]
+        return lambda: perf_counter_ns() >= target
+
+    rec._sampler = KernelSampler(rec, collector, window_steps=8, min_gap=32, budget=1.0, drain_seconds=0.01,
+                                 fence=gpu_done if fence else None)
+    previous_end = 0
+    for _ in range(steps):
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                device["free"] = collector.launch_kernel(device["free"], kernel_ns)
+        with rec.wait("device"):
+            while perf_counter_ns() < previous_end:
+                pass
+        previous_end = device["free"]
+    rec.close()
+    return rec, collector, load_run(tmp_path / str(fence)), kernel_ns
+
+
+def test_the_collector_goes_off_only_after_the_window_gpu_work(tmp_path):
+    # Without a fence the collector goes off with the window's last kernels still running: their records
+    # cannot be trusted and are dropped, so the window's last step misses kernels.
+    _rec, _collector, run, kernel_ns = _gpu_bound_run(tmp_path, fence=False)
+    dropped = run.processes[0]["kernel_timing"]["dropped_outside_windows"]
+    table = steps_table(run)
+    inside = table[table["gpu_timing"] == "kernels"]
+    assert dropped > 0 and (inside["kernels"] < KERNELS).any()
+
+    _rec, collector, run, kernel_ns = _gpu_bound_run(tmp_path, fence=True)
+    windows = run.kernel_windows
+    assert len(windows) >= 3 and collector.enables == len(windows)
+    durations = (run.kernels["gpu_end_ns"] - run.kernels["gpu_start_ns"]).to_numpy()
+    assert np.allclose(durations, kernel_ns)  # every record whole, the last window's included
+    table = steps_table(run)
+    inside = table[table["gpu_timing"] == "kernels"]
+    assert len(inside) == 8 * len(windows) and (inside["kernels"] == KERNELS).all()
+    assert np.allclose(inside["gpu_busy_ms"], KERNELS * kernel_ns / 1e6)
+    # the kernels of the steps after each window, launched while its work drained, were dropped
+    assert run.processes[0]["kernel_timing"]["dropped_outside_windows"] >= KERNELS * (len(windows) - 1)

@@ -151,3 +151,41 @@ def test_max_plus_scan_equals_the_step_loop(seed):
         scanned = whatif._replay(plan, cpu_scale=cpu, gpu_scale=gpu)
         looped = whatif._replay_loop(plan, d, k, cpu_scale=cpu)
         assert np.allclose(scanned, looped, rtol=0, atol=1e-6)
+    # Per group (four random groups): the reduction's end equals the loop with only that group's steps
+    # changed, step by step scales included.
+    group_of = rng.integers(-1, 4, n)
+    base = whatif._replay(plan, cpu_scale=1.0, gpu_scale=1.0)
+    for w in (WhatIf("cpu", -0.1), WhatIf("gpu", -0.1)):
+        changes = whatif._group_changes(plan, w, group_of, base, base)
+        for g in range(4):
+            scale = np.where(group_of == g, 0.9, 1.0)
+            cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
+            d, k = whatif._gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu)
+            looped = whatif._replay_loop(plan, d, k, cpu_scale=cpu)
+            assert changes[g] == pytest.approx(looped.sum() - base.sum(), abs=1e-6)
+            if w.target == "cpu":
+                assert changes[g] <= 1e-9  # a faster CPU in one group never lengthens the timeline
+
+
+def test_a_group_gets_what_the_timeline_gains_when_only_its_steps_change(tmp_path):
+    """Async decode steps (GPU-bound) with a launch-bound prefill every 20 steps, seen through CUDA events
+    only. A 10% faster CPU shortens the prefill's own step, but its GPU work (an interval that a faster CPU
+    cannot shorten, as far as events tell) still ends when it did, so the next decode step waits the longer:
+    the prefill's steps claim a gain the run never gets, and decode steps would read as lengthened. Per
+    group, overshoot reports what the whole timeline gains when only that group's steps change, checked
+    against reruns where only that group's CPU work is 10% shorter."""
+    params = dict(mode="async", cpu_ms=0.6, gpu_ms=1.2, long_every=20, long_cpu_ms=10.0, long_gpu_ms=12.0)
+    base = simulate_timeline(400, **params)
+    summary = summarize(load_run(write_run(tmp_path / "base", base)), what_ifs=[CPU_FASTER])
+    groups = summary.groups.set_index("phase")
+    steps = summary.steps
+    model_total = steps.groupby("phase")["model_ms"].sum()
+    assert (steps["whatif:cpu-10%"] > steps["model_ms"] + 0.5).any()  # a decode step that waits longer
+    total = float((base.steps["end_ns"] - base.steps["start_ns"]).sum()) / 1e6
+    for phase, rerun_params in (("decode", {"cpu_ms": 0.54, "post_ms": 0.2}),
+                                ("prefill", {"long_cpu_ms": 9.0})):
+        rerun = simulate_timeline(400, **{**params, **rerun_params})
+        gained = float((rerun.steps["end_ns"] - rerun.steps["start_ns"]).sum()) / 1e6 - total
+        projected = groups.loc[phase, "whatif:cpu-10%"] / 100 * model_total[phase]
+        assert groups.loc[phase, "whatif:cpu-10%"] <= 1e-9
+        assert projected == pytest.approx(gained, abs=0.002 * model_total[phase]), phase

@@ -176,11 +176,29 @@ def summarize(
         mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
         spans = spans if mine.all() else spans[mine]
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
-    proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode, kernels=step_kernels)
+    kept, left_out = _summarised(drop_warmup(timeline, warmup_steps))
+    keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
+    group_of = None
+    if len(kept) and what_ifs:
+        group_of = np.full(len(timeline), -1, "int64")
+        group_of[timeline.index.get_indexer(kept.index)] = _group_ids(kept, keys)[0]
+    proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode, kernels=step_kernels, group_of=group_of)
     timeline["model_ms"] = proj.baseline_ms
     for w in what_ifs:
         timeline[f"whatif:{w.label}"] = proj.projected_ms[w.label]
-    kept = drop_warmup(timeline, warmup_steps)
+    kept = timeline.loc[kept.index]
+    groups = _aggregate(kept, keys, what_ifs, proj.group_change_ms)
+    notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
+    if left_out:
+        notes.insert(1, left_out)
+    if step_kernels.empty_windows:
+        notes.append(f"{step_kernels.empty_windows} kernel-timing window(s) recorded no kernel (records "
+                     "lost): their steps are not counted as instrumented")
+    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
+
+
+def _summarised(kept: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The steps that form groups, and a note on those left out."""
     left_out = ""
     if "concurrency" in kept.columns:
         # Steps outside every load level (the warm-up before the first level, steps between levels) would
@@ -197,12 +215,7 @@ def summarize(
         kept = kept[~empty]
         left_out = "; ".join(filter(None, [left_out, f"{int(empty.sum())} steps with no batch (batch size 0) "
                                            "are not summarised"]))
-    keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
-    groups = _aggregate(kept, keys, what_ifs)
-    notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
-    if left_out:
-        notes.insert(1, left_out)
-    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
+    return kept, left_out
 
 
 def _left_out_note(windows: pd.Series) -> str:
@@ -233,7 +246,8 @@ def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
     return group_id, first_row
 
 
-def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list) -> pd.DataFrame:
+def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
+               group_change_ms: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
     group_id, first_row = _group_ids(df, keys)
     n_groups = len(first_row)
 
@@ -289,7 +303,11 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list) -> pd.DataFram
                     out["accepted_tokens_mean"] = total(accepted.to_numpy(dtype="float64")) / count
         model = total(df["model_ms"].to_numpy())
         for w in what_ifs:
-            out[f"whatif:{w.label}"] = 100.0 * (total(df[f"whatif:{w.label}"].to_numpy()) / model - 1.0)
+            # replay: what the whole timeline gains when this group's steps change, over the group's time
+            change = (group_change_ms or {}).get(w.label)
+            if change is None:
+                change = total(df[f"whatif:{w.label}"].to_numpy()) - model
+            out[f"whatif:{w.label}"] = 100.0 * (change / model)
     return out.replace([np.inf, -np.inf], np.nan)
 
 

@@ -35,6 +35,7 @@ class StepKernels:
     launch_ns: np.ndarray  # host time inside the launch calls (a graph launch counted once)
     first_launch_ns: np.ndarray  # host time of the step's first launch
     latency_ns: float  # median launch-to-start of kernels launched onto an idle stream
+    empty_windows: int  # kernel-timing windows with no record launched inside (records lost): not used
     # Kernel chains for the replay: kernel rows of instrumented steps, grouped by step (contiguous).
     chain_step: np.ndarray  # timeline row of each chained kernel
     chain_offset: np.ndarray  # launch - the step's first launch (host ns)
@@ -45,13 +46,17 @@ class StepKernels:
     def any(self) -> bool:
         return bool(self.instrumented.any())
 
-    def replay_terms(self, cpu_scale: float, gpu_scale: float) -> np.ndarray:
+    def replay_terms(self, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray) -> np.ndarray:
         """Per step: K = max over its kernels of (cpu_scale x launch offset + latency + gpu_scale x the
         remaining durations); the step's GPU work then ends at max(previous end + gpu_scale x total,
-        first launch' + K). NaN where not instrumented."""
+        first launch' + K). Scales: one for all steps or one per step. NaN where not instrumented."""
         out = np.full(len(self.instrumented), np.nan)
         if len(self.chain_step) == 0:
             return out
+        if np.ndim(cpu_scale):
+            cpu_scale = cpu_scale[self.chain_step]
+        if np.ndim(gpu_scale):
+            gpu_scale = gpu_scale[self.chain_step]
         terms = cpu_scale * self.chain_offset + self.latency_ns + gpu_scale * self.chain_rest
         heads = np.flatnonzero(np.diff(self.chain_step, prepend=-1))
         out[self.chain_step[heads]] = np.maximum.reduceat(terms, heads)
@@ -63,21 +68,29 @@ def empty_kernels(n: int) -> StepKernels:
         return np.full(n, np.nan)
 
     return StepKernels(np.zeros(n, bool), nan(), nan(), nan(), nan(), nan(), nan(), nan(), DEFAULT_LATENCY_NS,
-                       np.empty(0, "int64"), np.empty(0), np.empty(0), nan())
+                       0, np.empty(0, "int64"), np.empty(0), np.empty(0), nan())
 
 
-def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None) -> np.ndarray:
-    """Steps lying inside a kernel-timing window (called with kernels recorded). No windows: the whole run
-    was recorded."""
+def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
+                       keys: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Steps lying inside a kernel-timing window (called with kernels recorded), and the number of windows
+    left out because no record was launched inside them (`keys`: each record's launch time): their records
+    were lost, and steps without kernels must not read as GPU-idle. No windows: the whole run was recorded."""
     if windows is None or len(windows) == 0:
-        return np.ones(len(start), bool)
+        return np.ones(len(start), bool), 0
     w = windows.sort_values("start_ns")
     w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
+    empty = 0
+    if keys is not None:
+        sorted_keys = np.sort(keys)
+        has = np.searchsorted(sorted_keys, w_end, side="right") > np.searchsorted(sorted_keys, w_start)
+        empty = int((~has).sum())
+        w_start, w_end = w_start[has], w_end[has]
     i = np.searchsorted(w_start, start, side="right") - 1
     ok = i >= 0
     inside = np.zeros(len(start), bool)
     inside[ok] = end[ok] <= w_end[i[ok]]
-    return inside
+    return inside, empty
 
 
 def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
@@ -88,12 +101,12 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
         return empty_kernels(n)
     start = timeline["start_ns"].to_numpy("float64")
     end = timeline["end_ns"].to_numpy("float64")
-    inst = instrumented_steps(start, end, windows)
     g_start = kernels["gpu_start_ns"].to_numpy("float64")
     g_end = kernels["gpu_end_ns"].to_numpy("float64")
     l_start = kernels["launch_start_ns"].to_numpy("float64", na_value=np.nan)
     l_end = kernels["launch_end_ns"].to_numpy("float64", na_value=np.nan)
     key = np.where(np.isnan(l_start), g_start, l_start)
+    inst, empty_windows = instrumented_steps(start, end, windows, key)
     latency = launch_latency(kernels, g_start, g_end, l_start)
     row = np.searchsorted(start, key, side="right") - 1
     inside = (row >= 0) & (key < end[np.maximum(row, 0)])
@@ -101,6 +114,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     out = empty_kernels(n)
     out.instrumented = inst
     out.latency_ns = latency
+    out.empty_windows = empty_windows
     out.kernels = np.where(inst, 0.0, np.nan)
     out.busy_ns = np.where(inst, 0.0, np.nan)
     out.launch_ns = np.where(inst, 0.0, np.nan)
@@ -179,7 +193,7 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
 
     Per step, the GPU idle that decides the verdict comes from the best source it has (`gpu_timing`):
     "kernels" (instrumented: idle before + the gaps between its kernels), "estimate" (a plain step of a group
-    with instrumented steps: its step time minus the group's mean GPU busy, since kernel times do not change
+    with instrumented steps: its step time minus the group's median GPU busy, since kernel times do not change
     under instrumentation while step times do), "events" (the GPU idle before the step only: the gaps
     inside it are unknown), or "none" (no GPU data: the verdict is unknown, never "CPU-bound").
     """
@@ -208,7 +222,7 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     measured = inst & ~np.isnan(cols["gpu_busy_ms"])
     idle = np.where(measured, np.nan_to_num(before) + np.nan_to_num(cols["gpu_idle_in_step_ms"]), np.nan)
     source = np.where(measured, 0, 3).astype("int8")
-    busy_est = _group_mean(out, np.where(measured, cols["gpu_busy_ms"], np.nan)) if measured.any() else nan
+    busy_est = _group_median(out, np.where(measured, cols["gpu_busy_ms"], np.nan)) if measured.any() else nan
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
     source[estimate] = 1
@@ -228,10 +242,11 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     return sk
 
 
-def _group_mean(df: pd.DataFrame, values: np.ndarray) -> np.ndarray:
-    """Per row: the mean of `values` (NaN ignored) over its group (concurrency, phase, batch size)."""
+def _group_median(df: pd.DataFrame, values: np.ndarray) -> np.ndarray:
+    """Per row: the median of `values` (NaN ignored) over its group (concurrency, phase, batch size): one
+    step whose records were cut short must not move the whole group's estimate."""
     keys = [k for k in ("concurrency", "phase", "batch_size") if k in df.columns]
     if np.isnan(values).all():
         return np.full(len(df), np.nan)
     frame = df[keys].assign(_v=values)
-    return frame.groupby(keys, dropna=False, sort=False)["_v"].transform("mean").to_numpy(dtype="float64")
+    return frame.groupby(keys, dropna=False, sort=False)["_v"].transform("median").to_numpy(dtype="float64")

@@ -60,3 +60,15 @@ def prefix_products(m: Matrix) -> Matrix:
 def thread_times(m: Matrix) -> np.ndarray:
     """t after each step, from t = 0 and no earlier GPU work."""
     return prefix_products(m)[0][0]
+
+
+def final_time(m: Matrix) -> float:
+    """t after the last step, from t = 0 and no earlier GPU work: the product of all steps' matrices by
+    pairwise reduction (half a scan's work: only the end is wanted)."""
+    while len(m[0][0]) > 1:
+        n = len(m[0][0])
+        pairs = compose(_take(m, slice(1, n - n % 2, 2)), _take(m, slice(0, n - n % 2, 2)))
+        if n % 2:
+            pairs = [[np.append(pairs[r][c], m[r][c][-1]) for c in range(SIZE)] for r in range(SIZE)]
+        m = pairs
+    return float(m[0][0][0]) if len(m[0][0]) else 0.0

@@ -69,14 +69,20 @@ class Projection:
     baseline_ms: np.ndarray  # what the model gives with nothing changed (replay) or the recorded step_ms
     projected_ms: dict[str, np.ndarray]  # WhatIf.label -> projected step ms, aligned to the timeline rows
     fit_error: float | None = None  # replay baseline total vs recorded total, relative
+    # WhatIf.label -> per group: change of the whole timeline's busy time (ms) when only that group's steps
+    # change (replay only; `group_of` given to project)
+    group_change_ms: dict[str, np.ndarray] | None = None
 
 
 def project(
     timeline: pd.DataFrame, spans: pd.DataFrame | None, what_ifs: list[WhatIf], *, mode: str,
-    kernels: StepKernels | None = None,
+    kernels: StepKernels | None = None, group_of: np.ndarray | None = None,
 ) -> Projection:
     """Projected step times of one timeline (rows sorted by start_ns) for each what-if; `kernels`: the
-    timeline's kernel records joined to its steps (analysis/kernels.py)."""
+    timeline's kernel records joined to its steps (analysis/kernels.py). `group_of` (a group number per
+    row, -1 for none) adds, per group, the change of the whole timeline when only that group's steps
+    change: a step made shorter can make the next one wait longer for GPU work, so a group's own steps can
+    claim a gain that the timeline does not get (docs/concepts.md)."""
     recorded = timeline["step_ms"].to_numpy(dtype="float64")
     if not what_ifs:  # nothing to project: skip the replay
         return Projection("none", recorded, {})
@@ -92,7 +98,46 @@ def project(
             plan, cpu_scale=scale if w.target == "cpu" else 1.0, gpu_scale=scale if w.target == "gpu" else 1.0
         )
     fit = float(baseline.sum() / recorded.sum() - 1.0) if recorded.sum() > 0 else None
-    return Projection("replay", baseline, projected, fit)
+    changes = None
+    if group_of is not None and len(group_of):
+        changes = {w.label: _group_changes(plan, w, group_of, baseline, projected[w.label]) for w in what_ifs}
+    return Projection("replay", baseline, projected, fit, changes)
+
+
+def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.ndarray,
+                   projected: np.ndarray) -> np.ndarray:
+    """Per group: the change of the timeline's total busy time (ms) when only that group's steps change.
+    Independent steps: the group's own steps' changes. Otherwise each step takes its matrix with or
+    without the change, by group, and only the end of the timeline is computed (maxplus.final_time)."""
+    n_groups = int(group_of.max(initial=-1)) + 1
+    if _independent(plan):
+        own = np.where(group_of >= 0, group_of, n_groups)
+        return np.bincount(own, weights=projected - baseline, minlength=n_groups + 1)[:n_groups]
+    scale = 1.0 + w.change
+    cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
+    changed = _step_matrices(plan, *_gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu), cpu_scale=cpu)
+    same = _step_matrices(plan, *_gpu_terms(plan, cpu_scale=1.0, gpu_scale=1.0), cpu_scale=1.0)
+    out = np.zeros(n_groups)
+    if changed is None or same is None:  # the loop: a full replay a group
+        for g in range(n_groups):
+            mine = np.where(group_of == g, scale, 1.0)
+            ones = np.ones(len(mine))
+            c, u = (mine, ones) if w.target == "cpu" else (ones, mine)
+            out[g] = float(_replay(plan, cpu_scale=c, gpu_scale=u).sum() - baseline.sum())
+        return out
+    base_end = maxplus.final_time(same)
+    for g in range(n_groups):
+        mine = group_of == g
+        mixed = [[np.where(mine, a, b) for a, b in zip(ra, rb, strict=True)]
+                 for ra, rb in zip(changed, same, strict=True)]
+        out[g] = (maxplus.final_time(mixed) - base_end) / 1e6  # idle gaps are kept: the change is all busy
+    return out
+
+
+def _independent(p: _Plan) -> bool:
+    """Every step waits for its own GPU work or none, launching before it waits (sync engines)."""
+    rows = np.arange(len(p.c0))
+    return not p.wait_first.any() and bool(np.all(np.where(p.has_gpu, p.awaited == rows, p.awaited < 0)))
 
 
 def _per_step(timeline: pd.DataFrame, w: WhatIf, mode: str) -> np.ndarray:
@@ -208,7 +253,7 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     )
 
 
-def _gpu_terms(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> tuple[np.ndarray, np.ndarray]:
+def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarray]:
     """(D, K) per step: its GPU work ends at max(previous GPU end + D, launch' + K) (module docstring)."""
     block = p.gpu_ns * gpu_scale
     d, k = block, block
@@ -242,13 +287,13 @@ def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarr
     return out
 
 
-def _replay(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
-    """Projected step times (ms). Steps that each wait for their own GPU work (sync engines) are independent:
-    vectorised. Steps that wait for the previous GPU work, their own or none: a max-plus scan (maxplus.py).
-    Otherwise the sequential recurrence, one tight loop over steps (about 1 µs per step)."""
-    rows = np.arange(len(p.c0))
+def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray) -> np.ndarray:
+    """Projected step times (ms); scales: one for all steps or one per step. Steps that each wait for their
+    own GPU work (sync engines) are independent: vectorised. Steps that wait for the previous GPU work, their
+    own or none: a max-plus scan (maxplus.py). Otherwise the sequential recurrence, one tight loop over steps
+    (about 1 µs per step)."""
     d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
-    if not p.wait_first.any() and np.all(np.where(p.has_gpu, p.awaited == rows, p.awaited < 0)):
+    if _independent(p):
         # The previous GPU work has ended before this step launches, so its GPU work ends at launch' + K.
         waited = np.where(
             p.awaited >= 0, np.maximum(p.c1 * cpu_scale, k) + p.residual, p.c1 * cpu_scale + p.fixed_wait
@@ -262,7 +307,7 @@ def _replay(p: _Plan, *, cpu_scale: float, gpu_scale: float) -> np.ndarray:
     return (t - begin) / 1e6
 
 
-def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale: float) -> maxplus.Matrix | None:
+def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxplus.Matrix | None:
     """Each step's max-plus matrix over (thread time, latest GPU end, the one before), or None when some wait
     awaits other GPU work than those two, the step's own, or none (the loop handles those)."""
     n = len(p.c0)
@@ -301,8 +346,10 @@ def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale: float) 
     return [[t_t, t_g1, t_g2], g1, g2]
 
 
-def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale: float) -> np.ndarray:
-    gap, c0, c1, c2 = p.gap.tolist(), p.c0.tolist(), p.c1.tolist(), p.c2.tolist()
+def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale) -> np.ndarray:
+    scale = np.broadcast_to(cpu_scale, p.c0.shape)  # the CPU scale is folded into the busy segments
+    gap = p.gap.tolist()
+    c0, c1, c2 = (p.c0 * scale).tolist(), (p.c1 * scale).tolist(), (p.c2 * scale).tolist()
     wait_first, has_gpu = p.wait_first.tolist(), p.has_gpu.tolist()
     d_gpu, k_gpu = d_ns.tolist(), k_ns.tolist()
     awaited, residual, fixed_wait = p.awaited.tolist(), p.residual.tolist(), p.fixed_wait.tolist()
@@ -314,20 +361,20 @@ def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale: flo
     for i in range(n):
         t += gap[i]
         begin = t
-        t += c0[i] * cpu_scale
+        t += c0[i]
         if wait_first[i]:
             k = awaited[i]
             t = (max(t, gpu_end[k]) + residual[i]) if k >= 0 else t + fixed_wait[i]
-            t += c1[i] * cpu_scale
+            t += c1[i]
             last_gpu_end = max(last_gpu_end + d_gpu[i], t + k_gpu[i])
             gpu_end[i] = last_gpu_end
         else:
             if has_gpu[i]:
                 last_gpu_end = max(last_gpu_end + d_gpu[i], t + k_gpu[i])
                 gpu_end[i] = last_gpu_end
-            t += c1[i] * cpu_scale
+            t += c1[i]
             k = awaited[i]
             t = (max(t, gpu_end[k]) + residual[i]) if k >= 0 else t + fixed_wait[i]
-        t += c2[i] * cpu_scale
+        t += c2[i]
         out[i] = t - begin
     return np.asarray(out) / 1e6

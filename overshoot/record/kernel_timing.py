@@ -13,12 +13,23 @@ time of its two switches), averaged over the run, stays within `budget` (the spa
 that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
 every group of a load sweep gets kernel data.
+
+A window closes at a step boundary, but the collector is switched off only once the GPU has finished the
+work launched inside it (`fence`: the CUDA end event of the latest step, queried without waiting; at most
+`close_steps` steps later). CUPTI times a kernel still running when its kind is disabled with whatever
+comes next (seen on the H200: kernels of 2 ms recorded as 167-477 ms, ending at the next flush or enable).
+Records of work launched after a window closed (in those few steps), or that ended after the collector went
+off, are dropped on delivery and counted (`info()["dropped_outside_windows"]`).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, Protocol
 
@@ -69,7 +80,8 @@ class KernelSampler:
 
     def __init__(self, recorder: Recorder, collector: Collector, *, mode: str = "sampled",
                  window_steps: int = 8, min_gap: int = 64, budget: float = 0.005,
-                 drain_seconds: float = 0.5):
+                 drain_seconds: float = 0.5, fence: Callable[[], Callable[[], bool] | None] | None = None,
+                 close_steps: int = 16):
         if mode not in ("kernels", "sampled"):
             raise ValueError(f"kernel timing mode must be kernels or sampled, not {mode!r}")
         self.recorder = recorder
@@ -78,9 +90,17 @@ class KernelSampler:
         self.window_steps = window_steps
         self.min_gap = min_gap
         self.budget = budget
+        self.fence = fence  # () -> done() of the GPU work launched so far, or None (no GPU to wait for)
+        self.close_steps = close_steps
         self.windows = 0
+        self.dropped = 0  # records outside every window, or that ended after the collector went off
         self.cost_ratio: float | None = None  # last measured slowdown of steps inside a window
         self._on = False
+        self._closing: Callable[[], bool] | None = None  # window closed; the collector stays on until True
+        self._closing_steps = 0
+        # [start, end, collector off] of every window, host ns (inf while open or still collecting):
+        # appended by the engine thread, read by the drain thread
+        self._spans: list[list[float]] = []
         self._window_start = 0
         self._steps_in_window = 0
         self._steps_since = 0  # steps since the last window closed
@@ -101,6 +121,12 @@ class KernelSampler:
 
     def at_step(self, t: int, batch_size: int | None, phase: str | None) -> int:
         """Called by step_begin at `t`; returns the time the step starts (after any switch)."""
+        if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
+            self._last_t = t  # a step still under the collector is neither plain nor inside a window
+            self._closing_steps += 1
+            if self._closing_steps < self.close_steps and not self._fence_done():
+                return t
+            return self._switch_off(t)
         if self._last_t:
             (self._inside.append if self._on else self._plain.append)(t - self._last_t)
         self._last_t = t
@@ -109,55 +135,94 @@ class KernelSampler:
             self._seen.add((phase, batch_size))
             if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
                 return t
-            return self._switch(t, on=False)
+            return self._close_window(t)
         self._steps_since += 1
         due = self._steps_since >= self._gap or (
             self._steps_since >= self.min_gap and (phase, batch_size) not in self._seen)
         if self.windows == 0 or due:
             self._seen.add((phase, batch_size))
             self._steps_in_window = 1
-            return self._switch(t, on=True)
+            return self._open_window(t)
         return t
 
-    def _switch(self, t: int, *, on: bool) -> int:
-        try:
-            (self.collector.enable if on else self.collector.disable)()
-        except Exception as e:  # never take the engine down: stop timing kernels, say why
-            self._on = False
-            self.recorder._sampler = None
-            self.recorder._io.note_error(f"kernel timing stopped: {type(e).__name__}: {e}")
-            self._stop.set()  # the recorder no longer closes this sampler: end its drain thread now
-            self._wake.set()
+    def _open_window(self, t: int) -> int:
+        if not self._call(self.collector.enable):
             return perf_counter_ns()
         t_after = perf_counter_ns()
-        if on:
-            self._window_start = t_after
-            self.windows += 1
-            self._inside = []
-            self._switch_ns = t_after - t
-        else:
-            self._switch_ns += t_after - t
-            self.recorder.kernel_window(self._window_start, t)
-            self._steps_since = 0
-            self._gap = self._next_gap()
-            self._wake.set()
-        self._on = on
+        self._on = True
+        self._window_start = t_after
+        self._spans.append([t_after, math.inf, math.inf])
+        self.windows += 1
+        self._inside = []
+        self._switch_ns = t_after - t
+        return self._after_switch(t, t_after)
+
+    def _close_window(self, t: int) -> int:
+        """The window ends at `t`; the collector goes off now if the GPU has nothing of it left to run,
+        else at a later step boundary (at_step)."""
+        self._on = False
+        self.recorder.kernel_window(self._window_start, t)
+        self._spans[-1][1] = t
+        self._steps_since = 0
+        self._gap = self._next_gap()
+        self._closing = self._make_fence()
+        self._closing_steps = 0
+        return self._switch_off(t) if self._fence_done() else t
+
+    def _switch_off(self, t: int) -> int:
+        self._closing = None
+        if not self._call(self.collector.disable):
+            return perf_counter_ns()
+        t_after = perf_counter_ns()
+        self._spans[-1][2] = t  # records that end later are not trusted: the collector was going off
+        self._switch_ns += t_after - t
+        self._wake.set()
+        return self._after_switch(t, t_after)
+
+    def _after_switch(self, t: int, t_after: int) -> int:
         self.recorder._emit_span(-1, "busy", TIMING_LABEL, t, t_after - t)
         self._last_t = t_after
         return t_after
 
+    def _call(self, switch: Callable[[], None]) -> bool:
+        try:
+            switch()
+            return True
+        except Exception as e:  # never take the engine down: stop timing kernels, say why
+            self._on = False
+            self._closing = None
+            self.recorder._sampler = None
+            self.recorder._io.note_error(f"kernel timing stopped: {type(e).__name__}: {e}")
+            self._stop.set()  # the recorder no longer closes this sampler: end its drain thread now
+            self._wake.set()
+            return False
+
+    def _make_fence(self) -> Callable[[], bool]:
+        try:
+            done = self.fence() if self.fence is not None else None
+        except Exception:
+            done = None
+        return done or (lambda: True)
+
+    def _fence_done(self) -> bool:
+        try:
+            return self._closing is None or bool(self._closing())
+        except Exception:  # a fence that cannot answer: stop waiting on it
+            return True
+
     def _next_gap(self) -> int:
         """Plain steps before the next window, so that what a window cost (its steps' slowdown and its two
-        switches, measured) is `budget` of the time until the next one; at least min_gap."""
+        switches, measured) is `budget` of the time until the next one; at least min_gap. Medians: one
+        preempted step must not move the spacing."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
         # Before any plain step (the first window opens at once) the steps inside stand for plain ones.
         baseline = list(self._plain) or inside
         if not baseline:
             return self.min_gap
-        plain = sum(baseline) / len(baseline)
+        plain = statistics.median(baseline)
         if plain <= 0:
             return self.min_gap
-        ratio = max(sum(inside) / len(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
+        ratio = max(statistics.median(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
         self.cost_ratio = ratio
         cost_ns = len(inside) * ratio * plain + self._switch_ns
         return max(self.min_gap, int(cost_ns / (self.budget * plain)))
@@ -179,24 +244,56 @@ class KernelSampler:
             self.recorder._io.note_error(f"kernel records lost: {type(e).__name__}: {e}")
             return
         if columns is not None:
+            columns = self._inside_windows(columns)
+        if columns is not None:
             self.recorder.kernel_spans(columns)
 
-    def close(self) -> None:
-        """Close the open window, deliver every outstanding record, stop the drain thread. Idempotent."""
+    def _inside_windows(self, columns: dict) -> dict | None:
+        """The records launched inside a window (by GPU start where the launch is unknown) that ended
+        before the collector went off; None when no record is left."""
+        import numpy as np
+
+        launch = np.asarray(columns["launch_start_ns"], dtype="float64")
+        key = np.where(np.isnan(launch), np.asarray(columns["gpu_start_ns"], dtype="float64"), launch)
+        end = np.asarray(columns["gpu_end_ns"], dtype="float64")
+        keep = np.zeros(len(key), bool)
+        for lo, hi, off in list(self._spans):
+            keep |= (key >= lo) & (key <= hi) & (end <= off)
+        if keep.all():
+            return columns
+        self.dropped += int((~keep).sum())
+        if not keep.any():
+            return None
+        rows = np.flatnonzero(keep)
+        return {name: [values[i] for i in rows] if isinstance(values, list) else np.asarray(values)[rows]
+                for name, values in columns.items()}
+
+    def close(self, *, wait_seconds: float = 2.0) -> None:
+        """Close the open window and deliver every outstanding record (forced, with the collector still on,
+        after up to `wait_seconds` for the window's GPU work), then switch off and stop. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._on:
-            t = perf_counter_ns()
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        if self._on or self._closing is not None:
+            if self._on:
+                self._on = False
+                t = perf_counter_ns()
+                self.recorder.kernel_window(self._window_start, t)
+                self._spans[-1][1] = t
+                self._closing = self._make_fence()
+            deadline = time.monotonic() + wait_seconds
+            while not self._fence_done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._closing = None
+            self._deliver(final=True)
             try:
                 self.collector.disable()
             except Exception:
                 pass
-            self.recorder.kernel_window(self._window_start, t)
-            self._on = False
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=5.0)
+            self._spans[-1][2] = perf_counter_ns()
         self._deliver(final=True)
         try:
             self.collector.close()
@@ -205,4 +302,5 @@ class KernelSampler:
 
     def info(self) -> dict:
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
-                "last_cost_ratio": self.cost_ratio, "collector": self.collector.describe()}
+                "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
+                "collector": self.collector.describe()}

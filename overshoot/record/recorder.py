@@ -495,10 +495,18 @@ class Recorder:
 
         try:
             collector = collector or cupti_collector()
-            self._sampler = KernelSampler(self, collector, mode=self.gpu_timing)
+            self._sampler = KernelSampler(self, collector, mode=self.gpu_timing, fence=self._gpu_fence)
             self._io.info["kernel_timing"] = {"mode": self.gpu_timing, "collector": collector.describe()}
         except KernelTimingError as e:
             self._io.note_error(f"kernel timing off: {e}")
+
+    def _gpu_fence(self):
+        """`query` of the end event of the latest step with GPU work (True once the GPU has passed it), for
+        the kernel sampler: it switches its collector off only after a window's work. None without events."""
+        ring = self._ring
+        if not ring or ring.write_head == 0:
+            return None
+        return ring.end_events[(ring.write_head - 1) % ring.size].query
 
     # ---- flush / close ----
 
