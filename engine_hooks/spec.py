@@ -28,7 +28,11 @@ class HookTarget:
     raising: the loop that runs an engine's steps, after which its process may be killed during teardown
     or exit without atexit (multiprocessing children do).
     facts(result, *args, **kwargs) -> dict, called after the call, goes to `Recorder.step_facts`.
-    Several targets may name the same function (e.g. busy + gpu): it is wrapped once with all of them.
+    processes: a regular expression on the process name (multiprocessing's); the function is timed only in
+    processes it matches (e.g. an engine's worker processes, when the same function also runs inside the
+    engine's own stepping thread). Empty: every process.
+    Several targets may name the same function (e.g. busy + gpu): it is wrapped once with all of them, and
+    they share one `processes`.
     """
 
     module: str
@@ -36,6 +40,7 @@ class HookTarget:
     role: Role
     label: str = ""
     facts: Callable[..., dict] | None = None
+    processes: str = ""
 
     @property
     def span_label(self) -> str:

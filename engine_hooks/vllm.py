@@ -23,8 +23,12 @@ What each hook measures (docs/vllm.md lists which targets are verified on which 
   lost that race under load. A multiprocessing child skips atexit anyway.
 - gpu: CUDA events around `execute_model` and `sample_tokens` of the GPU model runners (V1 and V2), on the
   current stream of the runner's device. In the thread that runs the steps (the in-process executor) they
-  land in the open step; a worker process (multiprocess executor) has no steps, so each call is recorded
-  on its own and the analyzer joins it to the engine core's step by time. CPU runners give no stream.
+  land in the open step; in a worker process they land in the worker's step, and the analyzer also joins
+  them to the engine core's step by time. CPU runners give no stream.
+- workers (multiprocess executor only, `processes=WORKER_PROCESSES`): a step per `Worker.execute_model`
+  (one per scheduler output: the analyzer joins the k-th to the engine core's k-th scheduled step), busy
+  `execute_model` / `sample_tokens`, waits in the tensor/pipeline group's collectives (`collective`), and
+  the recorder closed when `WorkerProc.worker_busy_loop` ends. Facts: rank and parallel layout.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ UNIPROC = "vllm.v1.executor.uniproc_executor"
 RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
 RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 ASYNC_V2 = "vllm.v1.worker.gpu.async_utils"
+WORKER = "vllm.v1.worker.gpu_worker"  # Worker (CPUWorker subclasses it)
+PARALLEL = "vllm.distributed.parallel_state"
+# The multiprocess executor's worker processes (multiproc_executor: name=f"VllmWorker-{rank}"). The
+# in-process executor calls the same Worker methods from the engine core's stepping thread: not timed there.
+WORKER_PROCESSES = r"^VllmWorker-"
 
 
 def scheduler_output_facts(output, *_args, **_kwargs) -> dict:
@@ -90,6 +99,25 @@ def accepted_facts(_result, scheduler, scheduler_output=None, model_runner_outpu
     return {"accepted_tokens": accepted}
 
 
+def worker_facts(_result, worker, scheduler_output=None, *_args, **kwargs) -> dict:
+    """Facts of a worker's step: its rank and parallel layout, and the scheduled tokens of the scheduler
+    output it ran (the analyzer checks each worker step against the engine core's step by them)."""
+    scheduler_output = scheduler_output or kwargs.get("scheduler_output")
+    parallel = worker.parallel_config
+    return {
+        "rank": int(worker.rank),
+        "world_size": int(parallel.world_size),
+        "tp": int(parallel.tensor_parallel_size),
+        "pp": int(parallel.pipeline_parallel_size),
+        "dp": int(parallel.data_parallel_size),
+        "num_tokens": int(scheduler_output.total_num_scheduled_tokens) if scheduler_output is not None else 0,
+    }
+
+
+def _worker(qualname: str, role, label: str = "", module: str = WORKER, **options) -> HookTarget:
+    return HookTarget(module, qualname, role, label, processes=WORKER_PROCESSES, **options)
+
+
 def runner_stream(runner) -> object:
     """The CUDA stream a GPU model runner launches on (None for CPU runners or without CUDA)."""
     device = getattr(runner, "device", None)
@@ -118,6 +146,15 @@ SPEC = EngineSpec(
         HookTarget(CORE, "EngineCoreProc._process_input_queue", "idle"),
         HookTarget(CORE, "EngineCoreProc.run_busy_loop", "close"),
         HookTarget(CORE, "DPEngineCoreProc.run_busy_loop", "close"),
+        # Each worker process (one per rank): a step per scheduler output it runs, its busy time, and the
+        # time it waits in collectives for the other ranks.
+        _worker("Worker.execute_model", "step"),
+        _worker("Worker.execute_model", "busy", "execute_model", facts=worker_facts),
+        _worker("Worker.sample_tokens", "busy", "sample_tokens"),
+        _worker("GroupCoordinator.all_reduce", "wait", "collective", module=PARALLEL),
+        _worker("GroupCoordinator.all_gather", "wait", "collective", module=PARALLEL),
+        _worker("GroupCoordinator.gather", "wait", "collective", module=PARALLEL),
+        _worker("WorkerProc.worker_busy_loop", "close", module=MULTIPROC),
         HookTarget(RUNNER_V1, "GPUModelRunner.execute_model", "gpu"),
         HookTarget(RUNNER_V1, "GPUModelRunner.sample_tokens", "gpu"),
         HookTarget(RUNNER_V2, "GPUModelRunner.execute_model", "gpu"),

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine_hooks import status
 from engine_hooks.spec import EngineSpec, HookTarget
@@ -58,7 +59,24 @@ def _recording_failed(exc: BaseException) -> None:
     log(f"recording disabled in thread {threading.current_thread().name}: {type(exc).__name__}: {exc}")
 
 
+def in_process(pattern: str) -> bool:
+    """Whether this process's name (multiprocessing's) matches `pattern`; cached per process."""
+    key = (os.getpid(), pattern)
+    found = _process_match.get(key)
+    if found is None:
+        import multiprocessing
+        import re
+
+        found = _process_match[key] = bool(re.search(pattern, multiprocessing.current_process().name))
+    return found
+
+
+_process_match: dict[tuple[int, str], bool] = {}
+
+
 def make_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: RecorderFactory | None):
+    if any(t.processes for t in targets):
+        return _process_wrapper(func, targets, spec, factory)
     if len(targets) == 1 and targets[0].facts is None and targets[0].role in ("step", "busy", "wait"):
         fast = {"step": _step_wrapper, "busy": _busy_wrapper, "wait": _wait_wrapper}[targets[0].role]
         wrapper = functools.wraps(func)(fast(func, targets[0].span_label, spec.name, factory))
@@ -197,6 +215,21 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
             stream_of = None
             log(f"GPU events of {targets[0].name} disabled: {type(exc).__name__}: {exc}")
             return None
+
+    wrapper.__overshoot_hooked__ = True
+    return wrapper
+
+
+def _process_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory):
+    """Targets timed only in the processes their `processes` pattern names; elsewhere the call runs as is."""
+    pattern = next(t.processes for t in targets if t.processes)
+    timed = make_wrapper(func, [replace(t, processes="") for t in targets], spec, factory)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if in_process(pattern):
+            return timed(*args, **kwargs)
+        return func(*args, **kwargs)
 
     wrapper.__overshoot_hooked__ = True
     return wrapper

@@ -340,10 +340,14 @@ def plot(
 )
 def export(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="File to write.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="File to write.")] = None,
     what: Annotated[
-        str, typer.Option(help="Table: steps, spans, gpu or kernels (chrome always holds all of them).")
+        str, typer.Option(help="Table: steps, spans, gpu, kernels or ranks (chrome always holds all of "
+                               "them but ranks).")
     ] = "steps",
+    dataset: Annotated[Path | None, typer.Option(
+        "--dataset", help="Instead of one file: every table as a hive-partitioned Parquet dataset under this "
+                          "folder, by run and rank (several runs can share it).")] = None,
     format: Annotated[
         str | None,
         typer.Option(
@@ -358,10 +362,17 @@ def export(
     ] = 0.02,
     warmup: Annotated[int, typer.Option(help=_ANALYSIS_HELP["warmup"], min=0)] = 0,
 ) -> None:
-    """Write the steps, spans or GPU table as Parquet/CSV, or the run as a Chrome/Perfetto trace."""
+    """Write the steps, spans, GPU, kernels or per-rank table as Parquet/CSV, the run as a Chrome/Perfetto
+    trace, or every table as a Parquet dataset (--dataset)."""
     from overshoot.export import FORMATS, WHATS, ExportError
     from overshoot.export import export as write_export
 
+    if (output is None) == (dataset is None):
+        raise CliError("give either --output FILE or --dataset DIR")
+    if dataset is not None:
+        _export_dataset(_load(run), dataset, cpu_bound_ms=cpu_bound_ms,
+                        cpu_bound_share=_share(cpu_bound_share), warmup=warmup)
+        return
     if what not in WHATS:
         raise CliError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
     if format is not None and format not in FORMATS:
@@ -376,6 +387,24 @@ def export(
         raise CliError(str(e)) from None
     unit = "events" if fmt == "chrome" else "rows"
     print(f"wrote {output} ({fmt}, {count} {unit})", file=sys.stderr)
+
+
+def _export_dataset(loaded, out: Path, *, cpu_bound_ms: float, cpu_bound_share: float, warmup: int) -> None:
+    from overshoot.analysis.analyze import summarize
+    from overshoot.dataset import DatasetError, export_dataset
+    from overshoot.export import table_of
+
+    tables = {what: table_of(loaded, what, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                             warmup_steps=warmup) for what in ("steps", "spans", "gpu", "kernels")}
+    ranks = summarize(loaded, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                      warmup_steps=warmup).ranks
+    try:
+        written = export_dataset(loaded, out, tables=tables,
+                                 rank_rows=None if ranks is None else ranks.per_rank)
+    except DatasetError as e:
+        raise CliError(str(e)) from None
+    counts = ", ".join(f"{name} {n}" for name, n in written.items())
+    print(f"wrote {out} (hive-partitioned parquet by run and rank; rows: {counts})", file=sys.stderr)
 
 
 def _share(text: str) -> float:

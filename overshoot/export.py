@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from overshoot.analysis.analyze import CPU_BOUND_SHARE, joined_steps, steps_table
 
-WHATS = ("steps", "spans", "gpu", "kernels")
+WHATS = ("steps", "spans", "gpu", "kernels", "ranks")
 FORMATS = ("parquet", "csv", "chrome")
 
 STEPS_TYPES = {
@@ -102,6 +102,14 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
     if what == "spans":
         spans = run.spans.assign(thread=run.spans["thread"].astype("str"))
         return spans[list(SPANS_TYPES)].sort_values(["pid", "thread", "start_ns"], kind="stable")
+    if what == "ranks":  # multi-rank engines: one row per engine step and rank (analysis/ranks.py)
+        from overshoot.analysis.analyze import summarize
+
+        ranks = summarize(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                          warmup_steps=warmup_steps).ranks
+        if ranks is None:
+            raise ExportError("--what ranks: this run has no per-rank steps (a single-rank engine)")
+        return ranks.per_rank
     if what == "gpu":
         gpu = run.gpu.assign(thread=run.gpu["thread"].astype("str"))
         gpu = gpu.assign(gpu_ms=(gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6)
@@ -111,7 +119,8 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
 
 def to_arrow(df: pd.DataFrame, what: str) -> pa.Table:
     """The table with the documented Arrow types; extra fact columns keep their inferred types."""
-    known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES, "kernels": KERNELS_TYPES}[what]
+    known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES,
+             "kernels": KERNELS_TYPES}.get(what, {})
     table = pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False)
     fields = []
     for f in table.schema:

@@ -98,6 +98,7 @@ def write_run(
     meta: dict | None = None,
     chunk_rows: int = 256,
     extra: dict[str, list] | None = None,
+    info: dict | None = None,
 ) -> Path:
     """Write one recorder's tables as spool chunks of `chunk_rows` rows (plus meta.json and recorder json)."""
     spool = path / "spool"
@@ -113,8 +114,8 @@ def write_run(
             part = df.iloc[lo : lo + chunk_rows]
             writer.write(table, pa.RecordBatch.from_pandas(part, schema=schema, preserve_index=False))
     writer.close()
-    info = {"pid": pid, "thread": tag, "engine": "simulated", "argv": ["simulate"]}
-    (spool / f"{pid}-{tag}.json").write_text(json.dumps(info))
+    process = {"pid": pid, "thread": tag, "engine": "simulated", "argv": ["simulate"], **(info or {})}
+    (spool / f"{pid}-{tag}.json").write_text(json.dumps(process))
     meta_path = path / "meta.json"
     if meta is not None or not meta_path.exists():
         meta_path.write_text(json.dumps({"engine": "simulated", **(meta or {})}))

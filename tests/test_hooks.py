@@ -385,3 +385,20 @@ def test_vllm_accepted_drafts_fact_counts_tokens_sampled_beyond_one():
         "accepted_tokens": 2}
     no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
     assert accepted_facts(None, scheduler, no_drafts, output) == {}
+
+
+@pytest.mark.parametrize(("pattern", "timed"), [("^MainProcess$", True), ("^VllmWorker-", False)])
+def test_targets_limited_to_named_processes(toy, tmp_path, pattern, timed):
+    """A target with `processes` is timed only where the process name matches (vLLM's worker targets run
+    in the engine core's own thread under the in-process executor, and must not step there)."""
+    module = importlib.import_module(toy)
+    opened: list[Recorder] = []
+    spec = toy_spec(toy, extra=(HookTarget(toy, "Engine.helper", "busy", "only_there", processes=pattern),))
+    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
+    engine = module.Engine()
+    engine.step()
+    assert module.Engine.helper(1) == 2  # the call itself runs either way
+    engine.step()
+    opened[0].close()
+    labels = set(load_run(tmp_path / "run").spans["label"])
+    assert ("only_there" in labels) is timed

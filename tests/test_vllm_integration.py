@@ -76,7 +76,11 @@ def _vllm_server_command(model_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory) -> Path:
     """One `overshoot run` against vLLM, shared by the checks below (starting vLLM is the slow part)."""
-    base = tmp_path_factory.mktemp("vllm")
+    return _overshoot_run_vllm(tmp_path_factory.mktemp("vllm"))
+
+
+def _overshoot_run_vllm(base: Path, *, server_args: tuple[str, ...] = (), run_args: tuple[str, ...] = (),
+                        max_tokens: int = MAX_TOKENS, env_extra: dict | None = None) -> Path:
     model_dir = base / "tiny-qwen3"
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_hf_model.py"), str(model_dir)], check=True
@@ -92,12 +96,13 @@ def vllm_run(tmp_path_factory) -> Path:
     # at a time in some runs (level 4 batched 4 requests in 0, 16, 34, 61 and 62 decode steps over five runs;
     # unpinned: 56-62 in ten of ten).
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env.update(env_extra or {})
     command = [
         sys.executable, "-m", "overshoot", "run",
-        "--concurrency", ",".join(map(str, LEVELS)), "--max-tokens", str(MAX_TOKENS),
+        "--concurrency", ",".join(map(str, LEVELS)), "--max-tokens", str(max_tokens),
         "--requests", str(REQUESTS), "--warmup", "0", "--prompt-tokens", "32",
-        "--ready-timeout", "300", "--stop-timeout", "20", "--out", str(run_dir),
-        "--", *_vllm_server_command(model_dir),
+        "--ready-timeout", "300", "--stop-timeout", "20", "--out", str(run_dir), *run_args,
+        "--", *_vllm_server_command(model_dir), *server_args,
     ]  # fmt: skip
     proc = subprocess.Popen(
         command, env=env, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -114,6 +119,13 @@ def vllm_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+def _engine_steps(run):
+    """The engine core's steps: not those of the worker processes, which carry a rank."""
+    if "rank" not in run.steps.columns:
+        return run.steps
+    return run.steps[run.steps["rank"].isna()]
+
+
 def _engine_core_pids(run_dir: Path) -> set[int]:
     log = (run_dir / "server.log").read_text(errors="replace")
     return {int(pid) for pid in re.findall(r"\(EngineCore(?:_DP\d+)? pid=(\d+)\)", log)}
@@ -123,13 +135,20 @@ def _engine_core_pids(run_dir: Path) -> set[int]:
 @needs_vllm_venv
 @pytest.mark.timeout(600)
 def test_steps_come_from_the_engine_core_process(vllm_run: Path):
+    from overshoot.analysis.analyze import summarize
     from overshoot.rundir.reader import load_run
 
     run = load_run(vllm_run)
     core_pids = _engine_core_pids(vllm_run)
     assert core_pids, "server.log names no EngineCore process"
-    stepping = set(run.steps["pid"].unique())
+    # Engine steps come from the engine core. vLLM's CPU build runs its model in a worker process even at one
+    # rank: that worker records steps of its own, marked with its rank (analysis/ranks.py).
+    engine = _engine_steps(run)
+    stepping = set(engine["pid"].unique())
     assert stepping == core_pids, f"steps from pids {stepping}, EngineCore is {core_pids}"
+    workers = run.steps.drop(index=engine.index)
+    assert set(workers["rank"]) <= {0} and set(workers["world_size"]) <= {1}
+    assert summarize(run).ranks is None and summarize(run).primary[0] in core_pids
     hooks = [h for h in run.meta.get("hooks", []) if h.get("pid") in core_pids]
     installed = {h["target"].split(":")[1] for h in hooks if h["status"] == "installed"}
     for target in ("EngineCore.step", "Scheduler.schedule", "FutureWrapper.result",
@@ -156,7 +175,7 @@ def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
     run = load_run(vllm_run)
     spans = run.spans
     waits = spans[(spans["kind"] == "wait") & (spans["label"] == "worker_result")]
-    working = run.steps[run.steps["num_tokens"] > 0]
+    working = _engine_steps(run)[_engine_steps(run)["num_tokens"] > 0]
     # Every step that ran the model waited for the worker process's reply (CPU vLLM is synchronous).
     assert len(waits) >= len(working) > 0
     assert (working["wait_ns"] > 0).all()
@@ -187,9 +206,59 @@ def test_step_counts_match_the_tokens_generated(vllm_run: Path):
     assert client["ok"].all() and len(client) == REQUESTS * len(LEVELS)
     assert (client["completion_tokens"] == MAX_TOKENS).all()
     generated = int(client["completion_tokens"].sum())
-    working = run.steps[run.steps["num_tokens"] > 0]
+    working = _engine_steps(run)[_engine_steps(run)["num_tokens"] > 0]
     # Each step samples one token per scheduled request (prompts fit one step; no speculation), so the batch
     # sizes add up to the tokens generated: the client's, plus the load client's prompt-calibration probes.
     sampled = int(working["batch_size"].sum())
     assert generated <= sampled <= generated + 8, (sampled, generated)
     assert len(working) >= generated / max(LEVELS)
+
+
+# ---- tensor parallel: two worker processes (gloo on the CPU), rank 1 a known straggler ----
+
+TP_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vllm_tp_run(tmp_path_factory) -> Path:
+    hooks = ("--hooks", f"{REPO / 'tests' / 'straggler_spec.py'}:SPEC")
+    # One OpenMP thread a worker: two ranks of several threads each on two cores preempt each other by
+    # more than the straggler's delay.
+    return _overshoot_run_vllm(tmp_path_factory.mktemp("vllm-tp"), max_tokens=TP_TOKENS,
+                               server_args=("--tensor-parallel-size", "2"), run_args=hooks,
+                               env_extra={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.vllm
+@needs_vllm_venv
+@pytest.mark.timeout(600)
+def test_tensor_parallel_ranks_line_up_with_the_engine_steps_and_the_straggler_is_named(vllm_tp_run: Path):
+    from straggler_spec import DELAY_S, STRAGGLER
+
+    from overshoot.analysis.analyze import summarize
+    from overshoot.rundir.reader import load_run
+
+    run = load_run(vllm_tp_run)
+    core_pids = _engine_core_pids(vllm_tp_run)
+    summary = summarize(run)
+    assert summary.primary[0] in core_pids  # the engine core's timeline, not a worker's
+    ranks = summary.ranks
+    assert ranks is not None
+    per_rank = ranks.per_rank
+    # both ranks, each in a process of its own, closed cleanly; one worker step per engine step, in order
+    assert sorted(per_rank["rank"].unique()) == [0, 1]
+    workers = [p for p in run.processes if p["pid"] in set(per_rank["pid"])]
+    assert len(workers) == 2 and all(p["closed"] for p in workers), workers
+    scheduled = run.spans[(run.spans["pid"].isin(core_pids)) & (run.spans["label"] == "schedule")]
+    counts = per_rank.groupby("rank").size()
+    assert (counts == len(scheduled)).all(), (counts, len(scheduled))
+    assert per_rank["tokens_match"].all()
+    # rank 1 computes longest in (nearly) every decode step, by about its delay: the other rank waits that
+    # long in collectives (tensor-parallel ranks meet at each one, so they finish together)
+    decode = ranks.groups[ranks.groups["phase"] == "decode"]
+    busiest = decode.loc[decode["steps"].idxmax()]
+    assert busiest["slowest_rank"] == STRAGGLER and busiest["slowest_pct"] >= 90, decode
+    assert busiest["imbalance_ms_median"] == pytest.approx(DELAY_S * 1e3, rel=0.2), decode
+    per = busiest["per_rank"]
+    assert per[1 - STRAGGLER]["collective_ms"] > per[STRAGGLER]["collective_ms"] + 0.5 * DELAY_S * 1e3, per
+    assert busiest["spread_error_ms"] < 0.01  # one host: the clock bound is the time to read a timestamp

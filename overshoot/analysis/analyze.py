@@ -143,6 +143,7 @@ class Summary:
     steps: pd.DataFrame  # the primary timeline's steps (warm-up dropped), with projected columns
     notes: list[str] = field(default_factory=list)
     what_ifs: list = field(default_factory=list)
+    ranks: object = None  # analysis/ranks.RankSummary of a multi-rank engine, else None
 
 
 # Async alignment check: CPU-bound share vs share of steps with GPU idle before them, in percentage points.
@@ -194,7 +195,12 @@ def summarize(
     if step_kernels.empty_windows:
         notes.append(f"{step_kernels.empty_windows} kernel-timing window(s) recorded no kernel (records "
                      "lost): their steps are not counted as instrumented")
-    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs)
+    from overshoot.analysis.ranks import summarize_ranks
+
+    ranks = summarize_ranks(run, full, kept, pid, keys)
+    if ranks is not None:
+        notes += ranks.notes
+    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs, ranks)
 
 
 def _summarised(kept: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -373,6 +379,8 @@ def group_title(row: dict, keys: list[str]) -> str:
 def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
     notes = [f"primary timeline: pid {pid} thread {thread!r} (the thread with the most steps)"]
     others = full[~on_primary]
+    if len(others) and "rank" in others.columns:  # worker timelines are in the per-rank table
+        others = others[pd.to_numeric(others["rank"], errors="coerce").isna()]
     if len(others):
         counts = others.groupby(["pid", "thread"], sort=True).size()
         listed = ", ".join(f"{p}/{t}: {n} steps" for (p, t), n in counts.items())

@@ -181,9 +181,15 @@ def launch_latency(kernels: pd.DataFrame, g_start: np.ndarray, g_end: np.ndarray
 
 
 def primary_row(df: pd.DataFrame) -> int:
-    """A row of the primary timeline: the (pid, thread) with the most steps (ties: the earliest to start)."""
+    """A row of the primary timeline: the (pid, thread) with the most steps (ties: the earliest to start),
+    among the timelines of no rank when there are others (a multi-rank engine's workers step too:
+    analysis/ranks.py)."""
     code = df["_timeline"].to_numpy()
     _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
+    if "rank" in df.columns:
+        worker = pd.to_numeric(df["rank"], errors="coerce").notna().to_numpy()[first_row]
+        if not worker.all():
+            counts = np.where(worker, -1, counts)
     return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])
 
 

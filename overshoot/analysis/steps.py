@@ -180,7 +180,7 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
         return start, end, idle_ms
     gpu_code = _timeline_codes(gpu, pids, threads)
     gpu_step = gpu["step"].to_numpy()
-    gpu_code, gpu_step = _attach_detached(gpu, gpu_code, gpu_step, steps, code)
+    gpu, gpu_code, gpu_step = _attach_detached(gpu, gpu_code, gpu_step, steps, code)
     idle_code, idle_end = np.empty(0, "int64"), np.empty(0, "float64")
     spans = run.spans
     if spans is not None and len(spans):
@@ -222,23 +222,38 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
 
 
 def _attach_detached(gpu: pd.DataFrame, gpu_code: np.ndarray, gpu_step: np.ndarray, steps: pd.DataFrame,
-                     code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GPU intervals recorded outside any step (step -1, e.g. by the model workers of a multiprocess
-    executor, which run no steps) go to the step during which their GPU work started, when the run has one
-    stepping timeline (with several, e.g. data-parallel engine cores, time cannot tell them apart and they
-    stay unattributed). Several intervals of one step (ranks, calls) merge: first start .. last end."""
+                     code: np.ndarray) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """GPU intervals recorded outside any step (step -1, e.g. by model workers that run no steps), and those
+    of worker timelines (steps with a rank, analysis/ranks.py: they keep theirs too, as a copy), go to the
+    step of the one engine timeline during which their GPU work started. With several engine timelines
+    (e.g. data-parallel engine cores) time cannot tell them apart and they stay unattributed. Several
+    intervals of one step (ranks, calls) merge: first start .. last end."""
+    worker_codes = np.unique(code[_worker_rows(steps)]) if "rank" in steps.columns else np.empty(0, "int64")
+    engine_rows = ~np.isin(code, worker_codes)
     detached = (gpu_code < 0) | (gpu_step < 0)
-    if not detached.any() or len(code) == 0 or code[0] != code[-1]:  # rows are sorted by timeline
-        return gpu_code, gpu_step
-    starts = steps["start_ns"].to_numpy(dtype="int64")
-    ends = steps["end_ns"].to_numpy(dtype="int64")
+    from_worker = np.isin(gpu_code, worker_codes) & ~detached
+    engines = np.unique(code[engine_rows])
+    if not (detached.any() or from_worker.any()) or len(engines) != 1:
+        return gpu, gpu_code, gpu_step
+    if from_worker.any():  # a copy for the engine step; the original stays on the worker's step
+        gpu = pd.concat([gpu, gpu[from_worker]], ignore_index=True)
+        gpu_code = np.concatenate([gpu_code, gpu_code[from_worker]])
+        gpu_step = np.concatenate([gpu_step, gpu_step[from_worker]])
+        detached = np.concatenate([detached, np.ones(int(from_worker.sum()), bool)])
+    rows = np.flatnonzero(engine_rows)  # contiguous: rows are sorted by timeline
+    starts = steps["start_ns"].to_numpy(dtype="int64")[rows]
+    ends = steps["end_ns"].to_numpy(dtype="int64")[rows]
     g_start = gpu["gpu_start_ns"].to_numpy(dtype="int64")[detached]
     i = np.searchsorted(starts, g_start, side="right") - 1
     inside = (i >= 0) & (g_start < ends[np.maximum(i, 0)])
     gpu_code, gpu_step = gpu_code.copy(), gpu_step.astype("int64", copy=True)
-    gpu_code[detached] = np.where(inside, code[0], -1)
-    gpu_step[detached] = np.where(inside, steps["step"].to_numpy(dtype="int64")[np.maximum(i, 0)], -1)
-    return gpu_code, gpu_step
+    gpu_code[detached] = np.where(inside, engines[0], -1)
+    gpu_step[detached] = np.where(inside, steps["step"].to_numpy(dtype="int64")[rows][np.maximum(i, 0)], -1)
+    return gpu, gpu_code, gpu_step
+
+
+def _worker_rows(steps: pd.DataFrame) -> np.ndarray:
+    return pd.to_numeric(steps["rank"], errors="coerce").notna().to_numpy()
 
 
 def _load_window(start_ns: np.ndarray, concurrency: pd.Series, levels: list[dict]) -> pd.Series:

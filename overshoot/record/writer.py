@@ -163,6 +163,7 @@ class RecorderIO:
         import threading
         import time
 
+        from overshoot.record.clock import boot_id, clock_sample
         from overshoot.rundir.meta import host_info, now_iso, versions, write_meta
 
         self.spool_dir = Path(run_dir) / "spool"
@@ -184,7 +185,8 @@ class RecorderIO:
             "gpu": None,
             "start_time": now_iso(),
             # Wall clock <-> the spool's monotonic clock, read back to back.
-            "clock": {"perf_counter_ns": time.perf_counter_ns(), "unix_ns": time.time_ns()},
+            "clock": {"perf_counter_ns": time.perf_counter_ns(), "unix_ns": time.time_ns(),
+                      "boot_id": boot_id(), "samples": [clock_sample()]},
             "options": options,
             "hooks": [],
             **process_info,
@@ -306,7 +308,10 @@ class RecorderIO:
         return array
 
     def close(self, *, reason: str, steps: int, gpu: dict | None) -> None:
+        from overshoot.record.clock import clock_sample
         from overshoot.rundir.meta import now_iso
+
+        self.info["clock"].setdefault("samples", []).append(clock_sample())  # the second: wall-clock slew
 
         try:
             self.writer.close()

@@ -14,6 +14,7 @@ from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, Summary
 from overshoot.analysis.whatif import WhatIf
 from overshoot.report import sections
 from overshoot.report.fmt import fmt_num, pct, report_table, signed
+from overshoot.report.ranks import rank_groups, render_ranks
 from overshoot.report.verdict import top_lines
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
@@ -71,6 +72,7 @@ def analyse(
         "levels": sections.levels(summary, client),
         "crossover": sections.crossover(groups),
         "client": client,
+        "ranks": rank_groups(summary, group_title),
         "hook_problems": hook_problems(run),
         "notes": summary.notes,
         "warnings": list(run.warnings),
@@ -223,6 +225,7 @@ def render(report: dict, console: Console, *, by_label: bool = False) -> None:
     if by_label:
         sections.render_by_label(report, console)
     sections.render_sweep(report, console)
+    render_ranks(report, console)
     if report["client"]:
         console.print(_client_table(report["client"]))
     for note in report["notes"]:
