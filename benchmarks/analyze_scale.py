@@ -5,7 +5,8 @@
 Writes a run dir the way the Recorder does (Arrow IPC stream chunks of 256 steps: steps, 3 spans per step,
 GPU intervals), then measures in a fresh child process (so the peak RSS is the analyzer's, not the
 generator's): load_run, summarize (no what-if), and the two default what-if replays.
-Goals (issue 2): load + summarise <= 2 s and <= 1 GB peak RSS. Prints measured numbers and goal ratios.
+Goals: load + summarise <= 2 s and <= 1 GB peak RSS (issue 2); with the report's two what-ifs <= 1.5 s and
+<= 1 GB (issue 22). Prints measured numbers and goal ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter  # noqa: E402
 
 CHUNK = 256
 GOAL_S, GOAL_MB = 2.0, 1024.0
+REPORT_GOAL_S = 1.5  # issue 22: overshoot report with its two default what-ifs
 
 
 def write_synthetic_run(path: Path, n: int, seed: int = 0) -> None:
@@ -142,11 +144,15 @@ def main() -> None:
         f"{'peak RSS (load + summarize)':<34}{r['peak_rss_mb']:>9.0f} MB{GOAL_MB:>7.0f} MB"
         f"{r['peak_rss_mb'] / GOAL_MB:>8.2f}"
     )
-    print(f"{'summarize + 2 what-if replays':<34}{r['whatif_summarize_s']:>11.2f}s  (outside the 2 s budget)")
-    print(f"{'peak RSS incl. what-if':<34}{r['peak_rss_with_whatif_mb']:>9.0f} MB")
+    report = r["load_s"] + r["whatif_summarize_s"]
+    rss = r["peak_rss_with_whatif_mb"]
+    print(f"{'load + summarize with 2 what-ifs':<34}{report:>11.2f}s{REPORT_GOAL_S:>9.1f}s"
+          f"{report / REPORT_GOAL_S:>8.2f}   (overshoot report's work)")
+    print(f"{'peak RSS incl. what-ifs':<34}{rss:>9.0f} MB{GOAL_MB:>7.0f} MB{rss / GOAL_MB:>8.2f}")
     print(f"({r['steps']:,} steps, {r['spans']:,} spans, {r['groups']} groups)")
-    print("note: the what-if replay of an async timeline is a sequential loop (3 passes: baseline + 2")
-    print("what-ifs); sync timelines take a vectorised path. Timed here, outside the load + summarise goal.")
+    print("note: the what-ifs replay the timeline as a max-plus scan (analysis/maxplus.py), plus one")
+    print("reduction per group and what-if for the group's own figure (what the timeline gains when only")
+    print("its steps change).")
 
 
 if __name__ == "__main__":

@@ -90,22 +90,30 @@ def project(
     if timeline["gpu_end_ns"].notna().sum() == 0 and not has_kernels:
         return Projection("per-step", recorded, {w.label: _per_step(timeline, w, mode) for w in what_ifs})
     plan = _replay_plan(timeline, spans, kernels if has_kernels else None)
-    baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0)
-    projected = {}
+    same = _matrices(plan, 1.0, 1.0)  # built once: the baseline and every group's mix use them
+    baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0, matrices=same)
+    projected, changes = {}, {} if group_of is not None and len(group_of) else None
     for w in what_ifs:
         scale = 1.0 + w.change
-        projected[w.label] = _replay(
-            plan, cpu_scale=scale if w.target == "cpu" else 1.0, gpu_scale=scale if w.target == "gpu" else 1.0
-        )
+        cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
+        changed = _matrices(plan, cpu, gpu)
+        projected[w.label] = _replay(plan, cpu_scale=cpu, gpu_scale=gpu, matrices=changed)
+        if changes is not None:
+            changes[w.label] = _group_changes(plan, w, group_of, baseline, projected[w.label],
+                                              matrices=(changed, same))
     fit = float(baseline.sum() / recorded.sum() - 1.0) if recorded.sum() > 0 else None
-    changes = None
-    if group_of is not None and len(group_of):
-        changes = {w.label: _group_changes(plan, w, group_of, baseline, projected[w.label]) for w in what_ifs}
     return Projection("replay", baseline, projected, fit, changes)
 
 
+def _matrices(plan: _Plan, cpu: float, gpu: float) -> maxplus.Matrix | None:
+    """The steps' max-plus matrices at these scales, or None where the replay takes another path."""
+    if _independent(plan):
+        return None
+    return _step_matrices(plan, *_gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu), cpu_scale=cpu)
+
+
 def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.ndarray,
-                   projected: np.ndarray) -> np.ndarray:
+                   projected: np.ndarray, matrices: tuple | None = None) -> np.ndarray:
     """Per group: the change of the timeline's total busy time (ms) when only that group's steps change.
     Independent steps: the group's own steps' changes. Otherwise each step takes its matrix with or
     without the change, by group, and only the end of the timeline is computed (maxplus.final_time)."""
@@ -115,8 +123,7 @@ def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.nd
         return np.bincount(own, weights=projected - baseline, minlength=n_groups + 1)[:n_groups]
     scale = 1.0 + w.change
     cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
-    changed = _step_matrices(plan, *_gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu), cpu_scale=cpu)
-    same = _step_matrices(plan, *_gpu_terms(plan, cpu_scale=1.0, gpu_scale=1.0), cpu_scale=1.0)
+    changed, same = matrices or (_matrices(plan, cpu, gpu), _matrices(plan, 1.0, 1.0))
     out = np.zeros(n_groups)
     if changed is None or same is None:  # the loop: a full replay a group
         for g in range(n_groups):
@@ -287,21 +294,23 @@ def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarr
     return out
 
 
-def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray) -> np.ndarray:
+def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray,
+            matrices: maxplus.Matrix | None = None) -> np.ndarray:
     """Projected step times (ms); scales: one for all steps or one per step. Steps that each wait for their
     own GPU work (sync engines) are independent: vectorised. Steps that wait for the previous GPU work, their
     own or none: a max-plus scan (maxplus.py). Otherwise the sequential recurrence, one tight loop over steps
     (about 1 µs per step)."""
-    d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
-    if _independent(p):
-        # The previous GPU work has ended before this step launches, so its GPU work ends at launch' + K.
-        waited = np.where(
-            p.awaited >= 0, np.maximum(p.c1 * cpu_scale, k) + p.residual, p.c1 * cpu_scale + p.fixed_wait
-        )
-        return ((p.c0 + p.c2) * cpu_scale + waited) / 1e6
-    matrices = _step_matrices(p, d, k, cpu_scale=cpu_scale)
-    if matrices is None:
-        return _replay_loop(p, d, k, cpu_scale=cpu_scale)
+    if matrices is None:  # (given: built by _matrices for these scales)
+        d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
+        if _independent(p):
+            # The previous GPU work has ended before this step launches, so its GPU work ends at launch' + K.
+            waited = np.where(
+                p.awaited >= 0, np.maximum(p.c1 * cpu_scale, k) + p.residual, p.c1 * cpu_scale + p.fixed_wait
+            )
+            return ((p.c0 + p.c2) * cpu_scale + waited) / 1e6
+        matrices = _step_matrices(p, d, k, cpu_scale=cpu_scale)
+        if matrices is None:
+            return _replay_loop(p, d, k, cpu_scale=cpu_scale)
     t = maxplus.thread_times(matrices)
     begin = np.concatenate([[0.0], t[:-1]]) + p.gap
     return (t - begin) / 1e6
