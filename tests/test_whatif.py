@@ -151,13 +151,16 @@ def test_max_plus_scan_equals_the_step_loop(seed):
         scanned = whatif._replay(plan, cpu_scale=cpu, gpu_scale=gpu)
         looped = whatif._replay_loop(plan, d, k, cpu_scale=cpu)
         assert np.allclose(scanned, looped, rtol=0, atol=1e-6)
-    # Per group (four random groups): the reduction's end equals the loop with only that group's steps
-    # changed, step by step scales included.
-    group_of = rng.integers(-1, 4, n)
+    # Per group (eight random groups, changing step by step, or in runs of 1-80 steps that are folded into
+    # one matrix a run: maxplus.segment_products): the reduction's end equals the loop with only that group's
+    # steps changed.
     base = whatif._replay(plan, cpu_scale=1.0, gpu_scale=1.0)
-    for w in (WhatIf("cpu", -0.1), WhatIf("gpu", -0.1)):
+    runs = np.repeat(rng.integers(-1, 8, n), rng.integers(1, 80, n))[:n]  # 8 groups: runs are folded
+    steps = rng.integers(-1, 8, n)
+    for group_of, w in ((steps, WhatIf("cpu", -0.1)), (steps, WhatIf("gpu", -0.1)),
+                        (runs, WhatIf("cpu", -0.1)), (runs, WhatIf("gpu", -0.1))):
         changes = whatif._group_changes(plan, w, group_of, base, base)
-        for g in range(4):
+        for g in range(8):
             scale = np.where(group_of == g, 0.9, 1.0)
             cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
             d, k = whatif._gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu)

@@ -72,3 +72,28 @@ def final_time(m: Matrix) -> float:
             pairs = [[np.append(pairs[r][c], m[r][c][-1]) for c in range(SIZE)] for r in range(SIZE)]
         m = pairs
     return float(m[0][0][0]) if len(m[0][0]) else 0.0
+
+
+def segment_products(m: Matrix, segment: np.ndarray) -> Matrix:
+    """Per run of equal `segment` values (consecutive steps): the product of its steps' matrices, in order.
+    Pairs are combined within runs level by level: about one product per step."""
+    seg = np.asarray(segment)
+    while True:
+        n = len(seg)
+        boundary = np.ones(n + 1, bool)  # boundary[i]: a run starts at i (and at n)
+        boundary[1:n] = seg[1:] != seg[:-1]
+        starts = np.flatnonzero(boundary[:n])
+        if len(starts) == n:
+            return m
+        pos = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
+        left = (pos % 2 == 0) & ~boundary[1:]  # pairs (i, i + 1) inside a run
+        keep = np.ones(n, bool)
+        keep[1:] = ~left[:-1]  # a pair's right item goes; its left one becomes the pair's product
+        li = np.flatnonzero(left)
+        pairs = compose(_take(m, li + 1), _take(m, li))
+        at = np.flatnonzero(left[keep])  # where the pairs' products sit among the kept items
+        m = _take(m, keep)
+        for r in range(SIZE):
+            for c in range(SIZE):
+                m[r][c][at] = pairs[r][c]
+        seg = seg[keep]
