@@ -15,6 +15,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from overshoot.analysis.frames import worker_rows
+
 NO_RANK = -1
 
 
@@ -24,9 +26,7 @@ class DatasetError(RuntimeError):
 
 def rank_of_timelines(steps: pd.DataFrame) -> dict[tuple[int, str], int]:
     """(pid, thread) -> rank, from the steps' rank fact."""
-    if "rank" not in steps.columns:
-        return {}
-    ranked = steps[pd.to_numeric(steps["rank"], errors="coerce").notna()]
+    ranked = steps[worker_rows(steps)]
     first = ranked.groupby(["pid", "thread"], sort=False)["rank"].first()
     return {(int(p), str(t)): int(r) for (p, t), r in first.items()}
 
@@ -46,10 +46,10 @@ def export_dataset(run, out_dir: str | Path, *, tables: dict[str, pd.DataFrame],
     parts = {name: _with_rank(df, ranks) for name, df in tables.items() if df is not None and len(df)}
     if rank_rows is not None and len(rank_rows):
         parts["ranks"] = rank_rows.assign(rank=rank_rows["rank"].astype("int64"))
+    partitioning = ds.partitioning(pa.schema([("run", pa.string()), ("rank", pa.int64())]), flavor="hive")
     for name, df in parts.items():
         df = df.assign(run=run.run_id)
         table = pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False)
-        partitioning = ds.partitioning(pa.schema([("run", pa.string()), ("rank", pa.int64())]), flavor="hive")
         try:
             ds.write_dataset(table, out / name, format="parquet", partitioning=partitioning,
                              existing_data_behavior="delete_matching",

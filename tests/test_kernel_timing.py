@@ -35,14 +35,18 @@ class VirtualCollector:
     def disable(self) -> None:
         self.on = False
 
-    def launch(self, gpu_free: int) -> int:
+    def launch(self, gpu_free: int, kernel_ns: int = KERNEL_NS) -> int:
         """A launch call of LAUNCH_NS enqueueing one kernel; returns the device's next free time."""
         t = perf_counter_ns()
         start = max(t + 2_000, gpu_free)
         spin(LAUNCH_NS)
         if self.on:
-            self.rows.append((t, t + LAUNCH_NS, start, start + KERNEL_NS))
-        return start + KERNEL_NS
+            self.recorded((t, t + LAUNCH_NS, start, start + kernel_ns))
+        return start + kernel_ns
+
+    def recorded(self, row: tuple[int, int, int, int]) -> None:
+        """A kernel launched while enabled: (launch start, launch end, GPU start, GPU end)."""
+        self.rows.append(row)
 
     def collect(self, *, final: bool = False) -> dict | None:
         rows, self.rows = self.rows, []
@@ -156,13 +160,8 @@ class InFlightAtSwitchOff(VirtualCollector):
         super().disable()
         self.off_ns = perf_counter_ns()
 
-    def launch_kernel(self, gpu_free: int, kernel_ns: int) -> int:
-        t = perf_counter_ns()
-        start = max(t + 2_000, gpu_free)
-        spin(LAUNCH_NS)
-        if self.on:
-            self.pending.append((t, t + LAUNCH_NS, start, start + kernel_ns))
-        return start + kernel_ns
+    def recorded(self, row: tuple[int, int, int, int]) -> None:
+        self.pending.append(row)  # handed over once done (collect)
 
     def collect(self, *, final: bool = False) -> dict | None:
         now = perf_counter_ns()
@@ -191,7 +190,7 @@ def _gpu_bound_run(tmp_path, *, fence: bool, steps: int = 120):
         rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
         with rec.busy("launch"):
             for _ in range(KERNELS):
-                device["free"] = collector.launch_kernel(device["free"], kernel_ns)
+                device["free"] = collector.launch(device["free"], kernel_ns)
         with rec.wait("device"):
             while perf_counter_ns() < previous_end:
                 pass

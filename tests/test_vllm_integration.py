@@ -121,9 +121,9 @@ def _overshoot_run_vllm(base: Path, *, server_args: tuple[str, ...] = (), run_ar
 
 def _engine_steps(run):
     """The engine core's steps: not those of the worker processes, which carry a rank."""
-    if "rank" not in run.steps.columns:
-        return run.steps
-    return run.steps[run.steps["rank"].isna()]
+    from overshoot.analysis.frames import worker_rows
+
+    return run.steps[~worker_rows(run.steps)]
 
 
 def _engine_core_pids(run_dir: Path) -> set[int]:
@@ -148,7 +148,8 @@ def test_steps_come_from_the_engine_core_process(vllm_run: Path):
     assert stepping == core_pids, f"steps from pids {stepping}, EngineCore is {core_pids}"
     workers = run.steps.drop(index=engine.index)
     assert set(workers["rank"]) <= {0} and set(workers["world_size"]) <= {1}
-    assert summarize(run).ranks is None and summarize(run).primary[0] in core_pids
+    summary = summarize(run)
+    assert summary.ranks is None and summary.primary[0] in core_pids
     hooks = [h for h in run.meta.get("hooks", []) if h.get("pid") in core_pids]
     installed = {h["target"].split(":")[1] for h in hooks if h["status"] == "installed"}
     for target in ("EngineCore.step", "Scheduler.schedule", "FutureWrapper.result",
@@ -175,7 +176,8 @@ def test_wait_spans_and_decode_steps_at_batch_4(vllm_run: Path):
     run = load_run(vllm_run)
     spans = run.spans
     waits = spans[(spans["kind"] == "wait") & (spans["label"] == "worker_result")]
-    working = _engine_steps(run)[_engine_steps(run)["num_tokens"] > 0]
+    engine = _engine_steps(run)
+    working = engine[engine["num_tokens"] > 0]
     # Every step that ran the model waited for the worker process's reply (CPU vLLM is synchronous).
     assert len(waits) >= len(working) > 0
     assert (working["wait_ns"] > 0).all()
@@ -206,7 +208,8 @@ def test_step_counts_match_the_tokens_generated(vllm_run: Path):
     assert client["ok"].all() and len(client) == REQUESTS * len(LEVELS)
     assert (client["completion_tokens"] == MAX_TOKENS).all()
     generated = int(client["completion_tokens"].sum())
-    working = _engine_steps(run)[_engine_steps(run)["num_tokens"] > 0]
+    engine = _engine_steps(run)
+    working = engine[engine["num_tokens"] > 0]
     # Each step samples one token per scheduled request (prompts fit one step; no speculation), so the batch
     # sizes add up to the tokens generated: the client's, plus the load client's prompt-calibration probes.
     sampled = int(working["batch_size"].sum())

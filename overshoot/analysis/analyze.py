@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.frames import worker_rows
 from overshoot.analysis.kernels import primary_row
+from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
     CPU_BOUND_SHARE,
     LOAD_WINDOWS,
@@ -195,8 +197,6 @@ def summarize(
     if step_kernels.empty_windows:
         notes.append(f"{step_kernels.empty_windows} kernel-timing window(s) recorded no kernel (records "
                      "lost): their steps are not counted as instrumented")
-    from overshoot.analysis.ranks import summarize_ranks
-
     ranks = summarize_ranks(run, full, kept, pid, keys)
     if ranks is not None:
         notes += ranks.notes
@@ -379,8 +379,7 @@ def group_title(row: dict, keys: list[str]) -> str:
 def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
     notes = [f"primary timeline: pid {pid} thread {thread!r} (the thread with the most steps)"]
     others = full[~on_primary]
-    if len(others) and "rank" in others.columns:  # worker timelines are in the per-rank table
-        others = others[pd.to_numeric(others["rank"], errors="coerce").isna()]
+    others = others[~worker_rows(others)]  # worker timelines are in the per-rank table
     if len(others):
         counts = others.groupby(["pid", "thread"], sort=True).size()
         listed = ", ".join(f"{p}/{t}: {n} steps" for (p, t), n in counts.items())

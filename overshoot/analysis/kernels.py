@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import str_column
+from overshoot.analysis.frames import str_column, worker_rows
 
 # Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
 SOURCES = ("kernels", "estimate", "events", "none")
@@ -186,10 +186,9 @@ def primary_row(df: pd.DataFrame) -> int:
     analysis/ranks.py)."""
     code = df["_timeline"].to_numpy()
     _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
-    if "rank" in df.columns:
-        worker = pd.to_numeric(df["rank"], errors="coerce").notna().to_numpy()[first_row]
-        if not worker.all():
-            counts = np.where(worker, -1, counts)
+    worker = worker_rows(df)[first_row]
+    if worker.any() and not worker.all():
+        counts = np.where(worker, -1, counts)
     return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.frames import worker_rows
 from overshoot.rundir.clocks import align
 
 RANK_COLUMNS = ["step", "rank", "pid", "busy_ms", "collective_ms", "compute_ms", "gpu_ms", "finish_ns",
@@ -38,20 +39,13 @@ class RankSummary:
     notes: list[str] = field(default_factory=list)
 
 
-def worker_timelines(steps: pd.DataFrame) -> pd.DataFrame:
-    """Steps that carry a rank (worker processes)."""
-    if "rank" not in steps.columns:
-        return steps.iloc[:0]
-    return steps[pd.to_numeric(steps["rank"], errors="coerce").notna()]
-
-
 def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primary_pid: int,
                     keys: list[str]) -> RankSummary | None:
     """Per-rank view of a run whose workers recorded steps; None with fewer than two ranks. `steps`: every
     timeline's joined steps (analysis/steps.py); `engine_steps`: the engine core's summarised steps
     (analyze.Summary.steps), whose group keys the rank rows take."""
-    workers = worker_timelines(steps)
-    if len(workers) == 0 or pd.to_numeric(workers["rank"], errors="coerce").nunique() < 2:
+    workers = steps[worker_rows(steps)]
+    if len(workers) == 0 or pd.to_numeric(workers["rank"]).nunique() < 2:
         return None  # one rank (vLLM's CPU build runs even one in a worker process): nothing to compare
     notes: list[str] = []
     spans = run.spans

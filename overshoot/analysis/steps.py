@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import str_column
+from overshoot.analysis.frames import str_column, worker_rows
 from overshoot.analysis.kernels import attach_gpu_truth
 
 STEP_COLUMNS = [
@@ -228,7 +228,7 @@ def _attach_detached(gpu: pd.DataFrame, gpu_code: np.ndarray, gpu_step: np.ndarr
     step of the one engine timeline during which their GPU work started. With several engine timelines
     (e.g. data-parallel engine cores) time cannot tell them apart and they stay unattributed. Several
     intervals of one step (ranks, calls) merge: first start .. last end."""
-    worker_codes = np.unique(code[_worker_rows(steps)]) if "rank" in steps.columns else np.empty(0, "int64")
+    worker_codes = np.unique(code[worker_rows(steps)])
     engine_rows = ~np.isin(code, worker_codes)
     detached = (gpu_code < 0) | (gpu_step < 0)
     from_worker = np.isin(gpu_code, worker_codes) & ~detached
@@ -250,10 +250,6 @@ def _attach_detached(gpu: pd.DataFrame, gpu_code: np.ndarray, gpu_step: np.ndarr
     gpu_code[detached] = np.where(inside, engines[0], -1)
     gpu_step[detached] = np.where(inside, steps["step"].to_numpy(dtype="int64")[rows][np.maximum(i, 0)], -1)
     return gpu, gpu_code, gpu_step
-
-
-def _worker_rows(steps: pd.DataFrame) -> np.ndarray:
-    return pd.to_numeric(steps["rank"], errors="coerce").notna().to_numpy()
 
 
 def _load_window(start_ns: np.ndarray, concurrency: pd.Series, levels: list[dict]) -> pd.Series:

@@ -5,9 +5,8 @@ size at which steps turn from GPU-bound to CPU-bound (docs/concepts.md, "Load sw
 
 from __future__ import annotations
 
-import math
-
 from overshoot.analysis.analyze import Summary, aggregate_levels
+from overshoot.analysis.frames import plain
 
 # A group whose steps are CPU-bound at least this often counts as CPU-bound for the crossover.
 CROSSOVER_PCT = 50.0
@@ -15,17 +14,6 @@ LEVEL_FIELDS = (
     "steps", "step_ms_median", "busy_ms_median", "gpu_ms_median", "cpu_bound_pct", "gpu_idle_pct",
     "cpu_share_pct",
 )  # fmt: skip
-
-
-def _plain(value):
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    try:
-        return None if value != value else value  # pd.NA compares as NA: treat as missing
-    except TypeError:
-        return None
 
 
 def gpu_column(row: dict) -> str:
@@ -42,8 +30,8 @@ def level_rows(summary: Summary, client: list[dict]) -> list[dict]:
     rows = []
     for record in table.to_dict("records"):
         level = int(record["concurrency"])
-        row = {"concurrency": level, **{f: _plain(record[f]) for f in fields}}
-        row["tokens_per_s"] = _plain(tokens.get(level))
+        row = {"concurrency": level, **{f: plain(record[f]) for f in fields}}
+        row["tokens_per_s"] = plain(tokens.get(level))
         rows.append(row)
     return rows
 

@@ -256,9 +256,11 @@ class KernelSampler:
         launch = np.asarray(columns["launch_start_ns"], dtype="float64")
         key = np.where(np.isnan(launch), np.asarray(columns["gpu_start_ns"], dtype="float64"), launch)
         end = np.asarray(columns["gpu_end_ns"], dtype="float64")
-        keep = np.zeros(len(key), bool)
-        for lo, hi, off in list(self._spans):
-            keep |= (key >= lo) & (key <= hi) & (end <= off)
+        # windows in time order, never overlapping: each record's is the last one opened before it
+        spans = np.array(self._spans or [[np.inf] * 3], dtype="float64")
+        at = np.searchsorted(spans[:, 0], key, side="right") - 1
+        window = spans[np.maximum(at, 0)]
+        keep = (at >= 0) & (key <= window[:, 1]) & (end <= window[:, 2])
         if keep.all():
             return columns
         self.dropped += int((~keep).sum())

@@ -3,10 +3,9 @@ how much, and each rank's busy, collective-wait and compute time (analysis/ranks
 
 from __future__ import annotations
 
-import math
-
 from rich.console import Console
 
+from overshoot.analysis.frames import plain
 from overshoot.report.fmt import fmt_num, report_table
 
 
@@ -17,10 +16,7 @@ def rank_groups(summary, title_of) -> list[dict] | None:
         return None
     rows = []
     for row in ranks.groups.to_dict("records"):
-        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-        for key in summary.group_keys:
-            value = clean.get(key)
-            clean[key] = value.item() if hasattr(value, "item") else value
+        clean = {k: plain(v) if k != "per_rank" else v for k, v in row.items()}
         clean["per_rank"] = [{"rank": r, **v} for r, v in sorted((row["per_rank"] or {}).items())]
         clean["title"] = title_of(clean, summary.group_keys)
         rows.append(clean)

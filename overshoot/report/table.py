@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 from rich.console import Console
@@ -11,6 +9,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, Summary, group_title, summarize
+from overshoot.analysis.frames import plain
 from overshoot.analysis.whatif import WhatIf
 from overshoot.report import sections
 from overshoot.report.fmt import fmt_num, pct, report_table, signed
@@ -45,7 +44,7 @@ def analyse(
     )
     groups = []
     for row in summary.groups.to_dict("records"):
-        row = {k: _plain(v) for k, v in row.items()}
+        row = {k: plain(v) for k, v in row.items()}
         changes = {w.label: row.pop(f"whatif:{w.label}") for w in what_ifs}
         row["title"] = group_title(row, summary.group_keys)
         row["what_if_pct"] = changes
@@ -120,17 +119,6 @@ def hooks_line(problems: list[dict]) -> str:
     return f"hooks disabled or failed ({len(items)}): " + "; ".join(items)
 
 
-def _plain(value):
-    """JSON-safe scalars: numpy -> Python, NaN/NA -> None."""
-    if value is None or value is pd.NA:
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
-
-
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     """One line per group: the verdict (GPU starved), the thread's view, GPU idle and where it was known."""
     idle, inside = row["gpu_idle_pct"], row.get("gpu_idle_in_step_pct")
@@ -171,7 +159,7 @@ def client_stats(client: pd.DataFrame | None) -> list[dict]:
         itl_p50, itl_p90, itl_p99 = np.percentile(itl, [50, 90, 99]) if len(itl) else (None,) * 3
         rows.append(
             {
-                k: _plain(v)
+                k: plain(v)
                 for k, v in {
                     "concurrency": int(level),
                     "requests": len(df),
