@@ -28,6 +28,8 @@ class HookTarget:
     raising: the loop that runs an engine's steps, after which its process may be killed during teardown
     or exit without atexit (multiprocessing children do).
     facts(result, *args, **kwargs) -> dict, called after the call, goes to `Recorder.step_facts`.
+    process_facts(result, *args, **kwargs) -> dict, called after the first call in each process only, goes to
+    `Recorder.process_facts` (the process record).
     processes: a regular expression on the process name (multiprocessing's); the function is timed only in
     processes it matches (e.g. an engine's worker processes, when the same function also runs inside the
     engine's own stepping thread). Empty: every process.
@@ -40,6 +42,7 @@ class HookTarget:
     role: Role
     label: str = ""
     facts: Callable[..., dict] | None = None
+    process_facts: Callable[..., dict] | None = None
     processes: str = ""
 
     @property

@@ -100,9 +100,18 @@ def accepted_facts(_result, scheduler, scheduler_output=None, model_runner_outpu
 
 
 def worker_facts(_result, worker, scheduler_output=None, *_args, **kwargs) -> dict:
-    """Facts of a worker's step: its rank and parallel layout, and the scheduled tokens of the scheduler
-    output it ran (the analyzer checks each worker step against the engine core's step by them)."""
+    """Facts of a worker's step: its rank and parallel layout (analysis/ranks.py reads the workers' steps by
+    them), and the scheduled tokens of the scheduler output it ran (each worker step is checked against the
+    engine core's step by them)."""
     scheduler_output = scheduler_output or kwargs.get("scheduler_output")
+    return {
+        **parallel_layout(_result, worker),
+        "num_tokens": int(scheduler_output.total_num_scheduled_tokens) if scheduler_output is not None else 0,
+    }
+
+
+def parallel_layout(_result, worker, *_args, **_kwargs) -> dict:
+    """A worker's rank and parallel layout: its process record's facts, and each of its steps'."""
     parallel = worker.parallel_config
     return {
         "rank": int(worker.rank),
@@ -110,7 +119,6 @@ def worker_facts(_result, worker, scheduler_output=None, *_args, **kwargs) -> di
         "tp": int(parallel.tensor_parallel_size),
         "pp": int(parallel.pipeline_parallel_size),
         "dp": int(parallel.data_parallel_size),
-        "num_tokens": int(scheduler_output.total_num_scheduled_tokens) if scheduler_output is not None else 0,
     }
 
 
@@ -149,7 +157,8 @@ SPEC = EngineSpec(
         # Each worker process (one per rank): a step per scheduler output it runs, its busy time, and the
         # time it waits in collectives for the other ranks.
         _worker("Worker.execute_model", "step"),
-        _worker("Worker.execute_model", "busy", "execute_model", facts=worker_facts),
+        _worker("Worker.execute_model", "busy", "execute_model", facts=worker_facts,
+                process_facts=parallel_layout),
         _worker("Worker.sample_tokens", "busy", "sample_tokens"),
         _worker("GroupCoordinator.all_reduce", "wait", "collective", module=PARALLEL),
         _worker("GroupCoordinator.all_gather", "wait", "collective", module=PARALLEL),

@@ -77,7 +77,8 @@ _process_match: dict[tuple[int, str], bool] = {}
 def make_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: RecorderFactory | None):
     if any(t.processes for t in targets):
         return _process_wrapper(func, targets, spec, factory)
-    if len(targets) == 1 and targets[0].facts is None and targets[0].role in ("step", "busy", "wait"):
+    if (len(targets) == 1 and targets[0].facts is None and targets[0].process_facts is None
+            and targets[0].role in ("step", "busy", "wait")):
         fast = {"step": _step_wrapper, "busy": _busy_wrapper, "wait": _wait_wrapper}[targets[0].role]
         wrapper = functools.wraps(func)(fast(func, targets[0].span_label, spec.name, factory))
         wrapper.__overshoot_hooked__ = True
@@ -148,6 +149,8 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
     wait_label = next((t.span_label for t in targets if t.role == "wait"), None)
     stream_of = spec.stream if "gpu" in roles else None
     facts = [(t.facts, t.name) for t in targets if t.facts is not None]
+    once = [(t.process_facts, t.name) for t in targets if t.process_facts is not None]
+    once_in: set[int] = set()  # processes (pids: a fork starts afresh) whose process facts are recorded
     engine = spec.name
 
     @functools.wraps(func)
@@ -205,6 +208,16 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
                     facts.remove(item)
                     log(f"facts of {name} disabled: {type(exc).__name__}: {exc}")
                     status.note(name, f"facts disabled: {type(exc).__name__}: {exc}")
+        if once and os.getpid() not in once_in:
+            once_in.add(os.getpid())
+            for fn, name in once:
+                try:
+                    found = fn(result, *args, **kwargs)
+                    if found:
+                        rec.process_facts(**found)
+                except Exception as exc:  # a renamed field in the engine must not break it
+                    log(f"process facts of {name} failed: {type(exc).__name__}: {exc}")
+                    status.note(name, f"process facts failed: {type(exc).__name__}: {exc}")
         return result
 
     def _stream(fn, args):

@@ -402,3 +402,20 @@ def test_targets_limited_to_named_processes(toy, tmp_path, pattern, timed):
     opened[0].close()
     labels = set(load_run(tmp_path / "run").spans["label"])
     assert ("only_there" in labels) is timed
+
+
+def test_process_facts_go_to_the_process_record_once(toy, tmp_path):
+    module = importlib.import_module(toy)
+    calls: list[int] = []
+
+    def layout(_result, *_args, **_kwargs) -> dict:
+        calls.append(1)
+        return {"rank": 3, "world_size": 4}
+
+    opened: list[Recorder] = []
+    spec = toy_spec(toy, extra=(HookTarget(toy, "Engine.launch", "busy", process_facts=layout),))
+    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
+    module.run(module.Engine(), steps=5)
+    opened[0].close()
+    process = load_run(tmp_path / "run").processes[0]
+    assert (process["rank"], process["world_size"]) == (3, 4) and len(calls) == 1

@@ -252,6 +252,7 @@ def test_tensor_parallel_ranks_line_up_with_the_engine_steps_and_the_straggler_i
     assert sorted(per_rank["rank"].unique()) == [0, 1]
     workers = [p for p in run.processes if p["pid"] in set(per_rank["pid"])]
     assert len(workers) == 2 and all(p["closed"] for p in workers), workers
+    assert sorted((p["rank"], p["world_size"], p["tp"]) for p in workers) == [(0, 2, 2), (1, 2, 2)]
     scheduled = run.spans[(run.spans["pid"].isin(core_pids)) & (run.spans["label"] == "schedule")]
     counts = per_rank.groupby("rank").size()
     assert (counts == len(scheduled)).all(), (counts, len(scheduled))

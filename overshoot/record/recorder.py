@@ -211,6 +211,11 @@ class Recorder:
         if facts:
             self._facts = {**self._facts, **facts} if self._facts else facts
 
+    def process_facts(self, **facts) -> None:
+        """Facts of the whole process (a worker's rank and parallel layout), stored in its process record
+        (`spool/{pid}-{tag}.json`). Not for the hot path: it writes that file."""
+        self._io.update_info(**facts)
+
     def step_end(self) -> None:
         if self._step >= 0:
             self._boundary(perf_counter_ns())

@@ -222,6 +222,11 @@ class RecorderIO:
                 continue
         raise RuntimeError("too many recorders with the same thread tag")
 
+    def update_info(self, **facts) -> None:
+        """Facts of the whole process (e.g. a worker's rank), written to its process record now."""
+        self.info.update(facts)
+        write_json_atomic(self.json_path, self.info)
+
     def set_gpu(self, name: str) -> None:
         from overshoot.rundir.meta import read_meta, update_meta
 
