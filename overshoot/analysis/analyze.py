@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import worker_rows
-from overshoot.analysis.kernels import primary_row
+from overshoot.analysis.frames import per_step, worker_rows
+from overshoot.analysis.kernels import SOURCES, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
     CPU_BOUND_SHARE,
@@ -119,20 +119,10 @@ def _last_wait_end(df: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
     if not is_wait.any():
         return out
     end = spans["start_ns"].to_numpy()[is_wait] + spans["dur_ns"].to_numpy()[is_wait]
-    steps, last = _max_per_step(step[is_wait], end)
+    steps, last = per_step(step[is_wait], end, "max")
     pos = pd.Index(df["step"].to_numpy()).get_indexer(steps)
     out[pos[pos >= 0]] = last.astype("float64")[pos >= 0]
     return out
-
-
-def _max_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct steps and the largest value of each. Spans are recorded in time order, so their steps
-    normally come in runs: one reduceat over the runs instead of a hash group-by."""
-    if np.all(step[1:] >= step[:-1]):
-        starts = np.flatnonzero(np.diff(step, prepend=step[:1] - 1))
-        return step[starts], np.maximum.reduceat(values, starts)
-    last = pd.Series(values).groupby(step).max()
-    return last.index.to_numpy(), last.to_numpy()
 
 
 @dataclass
@@ -181,16 +171,17 @@ def summarize(
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
     kept, left_out = _summarised(drop_warmup(timeline, warmup_steps))
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
+    ids = _group_ids(kept, keys) if len(kept) else None  # the what-ifs' groups and the table's
     group_of = None
-    if len(kept) and what_ifs:
+    if ids is not None and what_ifs:
         group_of = np.full(len(timeline), -1, "int64")
-        group_of[timeline.index.get_indexer(kept.index)] = _group_ids(kept, keys)[0]
+        group_of[timeline.index.get_indexer(kept.index)] = ids[0]
     proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode, kernels=step_kernels, group_of=group_of)
     timeline["model_ms"] = proj.baseline_ms
     for w in what_ifs:
         timeline[f"whatif:{w.label}"] = proj.projected_ms[w.label]
-    kept = timeline.loc[kept.index]
-    groups = _aggregate(kept, keys, what_ifs, proj.group_change_ms)
+    kept = timeline if len(kept) == len(timeline) else timeline.loc[kept.index]  # all kept: no copy
+    groups = _aggregate(kept, keys, what_ifs, proj.group_change_ms, ids)
     notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
     if left_out:
         notes.insert(1, left_out)
@@ -253,8 +244,10 @@ def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
 
 
 def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
-               group_change_ms: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
-    group_id, first_row = _group_ids(df, keys)
+               group_change_ms: dict[str, np.ndarray] | None = None,
+               ids: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
+    """The group table; `ids`: _group_ids(df, keys) when known."""
+    group_id, first_row = ids if ids is not None else _group_ids(df, keys)
     n_groups = len(first_row)
 
     def total(values: np.ndarray) -> np.ndarray:
@@ -264,8 +257,8 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
     idle_before = df["gpu_idle_before_ms"].to_numpy(dtype="float64")
     has_idle = ~np.isnan(idle_before)
     count = np.bincount(group_id, minlength=n_groups)
-    source = df["gpu_timing"].to_numpy(dtype=object)
-    measured = source == "kernels"
+    source = _source_codes(df["gpu_timing"])
+    measured = source == SOURCES.index("kernels")
     columns = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "kernels", "launch_ms")
     medians = pd.DataFrame({c: df[c].to_numpy(dtype="float64") for c in columns})
     for c in ("gpu_busy_ms", "kernels", "launch_ms"):  # measured steps only
@@ -321,6 +314,14 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
 _SOURCES = ("estimate", "kernels", "events")
 
 
+def _source_codes(column: pd.Series) -> np.ndarray:
+    """Per row: the index of its gpu_timing value in SOURCES (-1: none of them), found once per distinct
+    value rather than through a Python string per row."""
+    codes, uniques = pd.factorize(column)
+    lookup = [SOURCES.index(u) if u in SOURCES else -1 for u in uniques]
+    return np.array([*lookup, -1], "int8")[codes]  # code -1 (null): the appended -1
+
+
 def _idle_share(total, df: pd.DataFrame, source: np.ndarray) -> np.ndarray:
     """GPU idle share of each group's steps, time-weighted, from the group's best source: plain steps of a
     sampled group ("estimate": step time of uninstrumented steps, GPU busy of instrumented ones), else the
@@ -329,7 +330,7 @@ def _idle_share(total, df: pd.DataFrame, source: np.ndarray) -> np.ndarray:
     step = df["step_ms"].to_numpy()
     out = np.full(len(total(step)), np.nan)
     for name in reversed(_SOURCES):  # best last: it overwrites
-        mine = (source == name) & ~np.isnan(idle)
+        mine = (source == SOURCES.index(name)) & ~np.isnan(idle)
         denominator = total(np.where(mine, step, 0.0))
         share = 100.0 * total(np.where(mine, idle, 0.0)) / denominator
         out = np.where(total(mine.astype("float64")) > 0, share, out)
@@ -338,8 +339,8 @@ def _idle_share(total, df: pd.DataFrame, source: np.ndarray) -> np.ndarray:
 
 def _group_timing(total, source: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Per group: "kernels" (every step instrumented), "sampled", "events" or "none"."""
-    kernels = total((source == "kernels").astype("float64"))
-    events = total(np.isin(source, ("events", "estimate")).astype("float64"))
+    kernels = total((source == SOURCES.index("kernels")).astype("float64"))
+    events = total(np.isin(source, [SOURCES.index("events"), SOURCES.index("estimate")]).astype("float64"))
     return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled",
                     np.where(events > 0, "events", "none"))).astype(object)
 

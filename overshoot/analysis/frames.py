@@ -1,5 +1,6 @@
 """Helpers shared by the analysis modules and the report: pandas "str" columns without a Python object per
-row, JSON-safe scalars, and which step rows are a multi-rank engine's workers."""
+row, string tests through a column's few distinct values, per-step reductions of span values, JSON-safe
+scalars, and which step rows are a multi-rank engine's workers."""
 
 from __future__ import annotations
 
@@ -20,6 +21,26 @@ def str_column(names: list[str], codes: np.ndarray) -> pd.Series:
     import pyarrow as pa
 
     return pd.Series(pd.array(pa.array(names, pa.large_string()).take(pa.array(codes)), dtype=_STR))
+
+
+def contains(column: pd.Series, text: str) -> np.ndarray:
+    """Per row: the string holds `text`, ignoring case (False where null). Tested once per distinct value
+    (a span label column has a handful among millions of rows), then spread to the rows by code."""
+    codes, uniques = pd.factorize(column)
+    hit = pd.Series(uniques).str.contains(text, case=False, na=False)
+    return np.append(hit.to_numpy(dtype=bool), False)[codes]  # code -1 (null): the appended False
+
+
+def per_step(step: np.ndarray, values: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct steps (ascending) and the smallest (`how` "min") or largest ("max") value of each. Spans are
+    recorded in time order, so their steps normally come in runs: one reduceat over the runs instead of a
+    hash group-by."""
+    if len(step) and np.all(step[1:] >= step[:-1]):
+        starts = np.flatnonzero(np.diff(step, prepend=step[:1] - 1))
+        ufunc = np.minimum if how == "min" else np.maximum
+        return step[starts], ufunc.reduceat(values, starts)
+    reduced = pd.Series(values).groupby(step).agg(how)
+    return reduced.index.to_numpy(), reduced.to_numpy()
 
 
 def plain(value):

@@ -3,11 +3,13 @@
 The replay's state after a step is (t, G1, G2): the thread's time and the ends of the latest two GPU works.
 Each step maps it through max and + only (whatif.py), so it is a 3x3 matrix A in the max-plus semiring:
 x'_r = max_c(A[r][c] + x_c). The states of all steps are the prefix products A_i ⊗ ... ⊗ A_1 applied to
-(0, -inf, -inf), which a work-efficient scan computes with numpy: about two matrix products per step, no
-Python per step (a million steps in a fraction of a second instead of seconds in a loop). This holds when
-each wait awaits one of the latest two GPU works before it, the step's own, or none: async engines await
-the previous batch (or, after a wait that did not block, the one before), sync engines their own. Other
-patterns use the loop in whatif.py.
+(0, -inf, -inf), which a work-efficient scan computes with numpy: a pairwise reduction up (about one matrix
+product per step, its levels kept) and a matrix-vector product per step on the way down, no Python per step
+(a million steps in a fraction of a second instead of seconds in a loop). The levels also give the end of
+the timeline, and of any mix of two sets of matrices, without a second pass (mixed_final_time). This holds
+when each wait awaits one of the latest two GPU works before it, the step's own, or none: async engines
+await the previous batch (or, after a wait that did not block, the one before), sync engines their own.
+Other patterns use the loop in whatif.py.
 """
 
 from __future__ import annotations
@@ -38,40 +40,113 @@ def _take(m: Matrix, index) -> Matrix:
     return [[x[index] for x in row] for row in m]
 
 
-def prefix_products(m: Matrix) -> Matrix:
-    """P_i = A_i ⊗ ... ⊗ A_0 for every i (pairs combined, scanned recursively, the rest filled in)."""
-    n = len(m[0][0])
-    if n <= 1:
-        return [[x.copy() for x in row] for row in m]
-    half = n // 2
-    paired = prefix_products(compose(_take(m, slice(1, 2 * half, 2)), _take(m, slice(0, 2 * half, 2))))
-    out = [[np.empty(n) for _ in range(SIZE)] for _ in range(SIZE)]
-    rest = _take(m, slice(2, None, 2))  # A_2, A_4, ...: each after the pair prefix before it
-    filled = compose(rest, _take(paired, slice(0, len(rest[0][0])))) if len(rest[0][0]) else None
-    for r in range(SIZE):
-        for c in range(SIZE):
-            out[r][c][1:2 * half:2] = paired[r][c]
-            out[r][c][0] = m[r][c][0]
-            if filled is not None:
-                out[r][c][2::2] = filled[r][c]
-    return out
-
-
-def thread_times(m: Matrix) -> np.ndarray:
-    """t after each step, from t = 0 and no earlier GPU work."""
-    return prefix_products(m)[0][0]
-
-
-def final_time(m: Matrix) -> float:
-    """t after the last step, from t = 0 and no earlier GPU work: the product of all steps' matrices by
-    pairwise reduction (half a scan's work: only the end is wanted)."""
+def reduction_levels(m: Matrix) -> list[Matrix]:
+    """Every level of the pairwise reduction of the steps' matrices: [m, products of pairs (1 ⊗ 0, 3 ⊗ 2,
+    ...), products of those, ...] down to one item (an odd last item is carried up as it is). About one
+    product per step. The scan (thread_times) and the end of the timeline (final_time, mixed_final_time)
+    are all read from these levels, so one pass serves them all."""
+    levels = [m]
     while len(m[0][0]) > 1:
         n = len(m[0][0])
         pairs = compose(_take(m, slice(1, n - n % 2, 2)), _take(m, slice(0, n - n % 2, 2)))
         if n % 2:
             pairs = [[np.append(pairs[r][c], m[r][c][-1]) for c in range(SIZE)] for r in range(SIZE)]
         m = pairs
-    return float(m[0][0][0]) if len(m[0][0]) else 0.0
+        levels.append(m)
+    return levels
+
+
+def thread_times(m: Matrix, levels: list[Matrix] | None = None) -> np.ndarray:
+    """t after each step, from t = 0 and no earlier GPU work (`levels`: reduction_levels(m) when known)."""
+    levels = levels or reduction_levels(m)
+    return _prefix_states(levels, 0, len(m[0][0]), rows=1)[0]
+
+
+def _prefix_states(levels: list[Matrix], k: int, length: int, rows: int = SIZE) -> list[np.ndarray]:
+    """The state (t, G1, G2) after each of the first `length` items of level k, from (0, -inf, -inf): the
+    first column of the prefix products P_i = A_i ⊗ ... ⊗ A_0, which is all that this start reads. Level
+    k + 1 holds the products of pairs, whose prefixes give every other item; the items between take one
+    more product each (a work-efficient scan: a vector, not a matrix, per item on the way down). `rows`:
+    the first so many entries of the state (the caller of the whole scan wants t only)."""
+    level = levels[k]
+    if length <= 1:
+        return [level[r][0][:length].copy() for r in range(rows)]
+    half = length // 2
+    paired = _prefix_states(levels, k + 1, half)  # after items 1, 3, 5, ...
+    rest = _take(level, slice(2, length, 2))  # items 2, 4, ...: each after the pair prefix before it
+    n_rest = len(rest[0][0])
+    out = []
+    for r in range(rows):
+        state = np.empty(length)
+        state[0] = level[r][0][0]
+        state[1 : 2 * half : 2] = paired[r]
+        if n_rest:
+            entry = rest[r][0] + paired[0][:n_rest]
+            for m in range(1, SIZE):
+                np.maximum(entry, rest[r][m] + paired[m][:n_rest], out=entry)
+            state[2::2] = entry
+        out.append(state)
+    return out
+
+
+def final_time(m: Matrix) -> float:
+    """t after the last step, from t = 0 and no earlier GPU work: the product of all steps' matrices by
+    pairwise reduction (half a scan's work: only the end is wanted)."""
+    return final_time_of(reduction_levels(m))
+
+
+def final_time_of(levels: list[Matrix]) -> float:
+    """final_time from the reduction levels."""
+    top = levels[-1]
+    return float(top[0][0][0]) if len(top[0][0]) else 0.0
+
+
+def mixed_final_time(levels_a: list[Matrix], levels_b: list[Matrix], pick_a: np.ndarray) -> float:
+    """final_time of the steps' matrices taken from side a where `pick_a`, else from side b, given both
+    sides' reduction_levels. A node of the reduction over steps of one side only is that side's node, so
+    only the nodes over both sides (one a level at each change of side) are composed again, with the very
+    products final_time would compute: the same result to the bit, for a fraction of the work when the
+    sides come in runs (a group's steps, in whatif.py). Sides changing every few steps: the plain way."""
+    pick_a = np.asarray(pick_a, bool)
+    n = len(pick_a)
+    changes = np.flatnonzero(pick_a[1:] != pick_a[:-1]) + 1  # first step of each run but the first
+    if len(changes) * len(levels_a) > n // 4:
+        mixed = [[np.where(pick_a, a, b) for a, b in zip(ra, rb, strict=True)]
+                 for ra, rb in zip(levels_a[0], levels_b[0], strict=True)]
+        return final_time(mixed)
+    if len(changes) == 0:
+        return final_time_of(levels_a if n and pick_a[0] else levels_b)
+    both_idx, both = np.empty(0, "int64"), None  # nodes over both sides at the level below, and their values
+    for k in range(1, len(levels_a)):
+        width = 1 << k
+        idx = np.unique(changes[(changes - 1) // width == changes // width] // width)
+        below = (levels_a[k - 1], levels_b[k - 1], both_idx, both, pick_a, width >> 1)
+        paired = 2 * idx + 1 < len(levels_a[k - 1][0][0])  # an odd last node is carried up as it is
+        value = compose(_node_values(*below, 2 * idx[paired] + 1), _node_values(*below, 2 * idx[paired]))
+        if not paired.all():  # the carried node is the last one
+            carried = _node_values(*below, 2 * idx[~paired])
+            value = [[np.append(value[r][c], carried[r][c]) for c in range(SIZE)] for r in range(SIZE)]
+        both_idx, both = idx, value
+    return final_time_of([both])
+
+
+def _node_values(level_a: Matrix, level_b: Matrix, both_idx: np.ndarray, both: Matrix | None,
+                 pick_a: np.ndarray, width: int, nodes: np.ndarray) -> Matrix:
+    """Values of some nodes of one reduction level: side a's or side b's node, or the recomposed value of a
+    node over both sides (`both_idx`, sorted, with `both`). `width`: steps per node at this level."""
+    from_a = pick_a[nodes * width]
+    pos = np.minimum(np.searchsorted(both_idx, nodes), max(len(both_idx) - 1, 0))
+    is_both = both_idx[pos] == nodes if len(both_idx) else np.zeros(len(nodes), bool)
+    out = []
+    for r in range(SIZE):
+        row = []
+        for c in range(SIZE):
+            value = np.where(from_a, level_a[r][c][nodes], level_b[r][c][nodes])
+            if both is not None and is_both.any():
+                value = np.where(is_both, both[r][c][pos], value)
+            row.append(value)
+        out.append(row)
+    return out
 
 
 def segment_products(m: Matrix, segment: np.ndarray) -> Matrix:

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis import maxplus
+from overshoot.analysis.frames import contains, per_step
 from overshoot.analysis.kernels import StepKernels
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
@@ -90,42 +91,51 @@ def project(
     if timeline["gpu_end_ns"].notna().sum() == 0 and not has_kernels:
         return Projection("per-step", recorded, {w.label: _per_step(timeline, w, mode) for w in what_ifs})
     plan = _replay_plan(timeline, spans, kernels if has_kernels else None)
-    same = _matrices(plan, 1.0, 1.0)  # built once: the baseline and every group's mix use them
-    baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0, matrices=same)
+    same = _levels(plan, 1.0, 1.0)  # built once: the baseline and every group's mix use them
+    baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0, levels=same)
     projected, changes = {}, {} if group_of is not None and len(group_of) else None
     for w in what_ifs:
-        scale = 1.0 + w.change
-        cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
-        changed = _matrices(plan, cpu, gpu)
-        projected[w.label] = _replay(plan, cpu_scale=cpu, gpu_scale=gpu, matrices=changed)
+        cpu, gpu = _scales(w)
+        changed = _levels(plan, cpu, gpu)
+        projected[w.label] = _replay(plan, cpu_scale=cpu, gpu_scale=gpu, levels=changed)
         if changes is not None:
             changes[w.label] = _group_changes(plan, w, group_of, baseline, projected[w.label],
-                                              matrices=(changed, same))
+                                              levels=(changed, same))
+        del changed  # a million steps' levels are ~150 MB: gone before the next what-if's are built
     fit = float(baseline.sum() / recorded.sum() - 1.0) if recorded.sum() > 0 else None
     return Projection("replay", baseline, projected, fit, changes)
 
 
-def _matrices(plan: _Plan, cpu: float, gpu: float) -> maxplus.Matrix | None:
-    """The steps' max-plus matrices at these scales, or None where the replay takes another path."""
+def _scales(w: WhatIf) -> tuple[float, float]:
+    """(cpu_scale, gpu_scale) of a what-if."""
+    scale = 1.0 + w.change
+    return (scale, 1.0) if w.target == "cpu" else (1.0, scale)
+
+
+def _levels(plan: _Plan, cpu: float, gpu: float) -> list[maxplus.Matrix] | None:
+    """The reduction levels (maxplus.reduction_levels) of the steps' max-plus matrices at these scales, or
+    None where the replay takes another path. The replay's scan and every group's mix read them."""
     if _independent(plan):
         return None
-    return _step_matrices(plan, *_gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu), cpu_scale=cpu)
+    matrices = _step_matrices(plan, *_gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu), cpu_scale=cpu)
+    return None if matrices is None else maxplus.reduction_levels(matrices)
 
 
 def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.ndarray,
-                   projected: np.ndarray, matrices: tuple | None = None) -> np.ndarray:
+                   projected: np.ndarray, levels: tuple | None = None) -> np.ndarray:
     """Per group: the change of the timeline's total busy time (ms) when only that group's steps change.
     Independent steps: the group's own steps' changes. Otherwise each step takes its matrix with or
-    without the change, by group, and only the end of the timeline is computed (maxplus.final_time)."""
+    without the change, by group, and only the end of the timeline is computed (maxplus.mixed_final_time,
+    from `levels`: the reduction levels with and without the change, when known)."""
     n_groups = int(group_of.max(initial=-1)) + 1
     if _independent(plan):
         own = np.where(group_of >= 0, group_of, n_groups)
         return np.bincount(own, weights=projected - baseline, minlength=n_groups + 1)[:n_groups]
-    scale = 1.0 + w.change
-    cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
-    changed, same = matrices or (_matrices(plan, cpu, gpu), _matrices(plan, 1.0, 1.0))
+    cpu, gpu = _scales(w)
+    changed, same = levels or (_levels(plan, cpu, gpu), _levels(plan, 1.0, 1.0))
     out = np.zeros(n_groups)
     if changed is None or same is None:  # the loop: a full replay a group
+        scale = 1.0 + w.change
         for g in range(n_groups):
             mine = np.where(group_of == g, scale, 1.0)
             ones = np.ones(len(mine))
@@ -133,18 +143,17 @@ def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.nd
             out[g] = float(_replay(plan, cpu_scale=c, gpu_scale=u).sum() - baseline.sum())
         return out
     # Steps come in runs of one group (a load level, a batch size held for a while): with many groups, fold
-    # each run into one matrix, with and without the change, and mix runs rather than steps. Folding costs
-    # about five mixes of all steps (measured at 1M steps), so a few groups mix steps.
+    # each run into one matrix, with and without the change, and mix runs rather than steps. A few groups
+    # mix steps: only the reduction's nodes at the edges of their runs are composed again.
     runs = np.flatnonzero(np.diff(group_of, prepend=group_of[0] - 1) != 0)
     if n_groups > 6 and len(runs) * 4 < len(group_of):
-        changed, same = maxplus.segment_products(changed, group_of), maxplus.segment_products(same, group_of)
+        changed = maxplus.reduction_levels(maxplus.segment_products(changed[0], group_of))
+        same = maxplus.reduction_levels(maxplus.segment_products(same[0], group_of))
         group_of = group_of[runs]
-    base_end = maxplus.final_time(same)
+    base_end = maxplus.final_time_of(same)
     for g in range(n_groups):
-        mine = group_of == g
-        mixed = [[np.where(mine, a, b) for a, b in zip(ra, rb, strict=True)]
-                 for ra, rb in zip(changed, same, strict=True)]
-        out[g] = (maxplus.final_time(mixed) - base_end) / 1e6  # idle gaps are kept: the change is all busy
+        # idle gaps are kept: the change is all busy
+        out[g] = (maxplus.mixed_final_time(changed, same, group_of == g) - base_end) / 1e6
     return out
 
 
@@ -194,17 +203,16 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     # Merged wait region per step: first wait start .. last wait end; busy inside it moves after it.
     ws, we = end - wait_union, end.copy()
     if spans is not None and len(spans):
-        waits = spans[(spans["kind"] == "wait") & (spans["step"] >= 0)]
-        if len(waits):
-            region = (
-                waits.assign(end_ns=waits["start_ns"] + waits["dur_ns"])
-                .groupby("step")
-                .agg(first=("start_ns", "min"), last=("end_ns", "max"))
-            )
-            pos = pd.Index(tl["step"]).get_indexer(region.index)
+        step = spans["step"].to_numpy()
+        is_wait = (spans["kind"] == "wait").to_numpy() & (step >= 0)
+        if is_wait.any():
+            start_ns = spans["start_ns"].to_numpy()[is_wait]
+            steps, first = per_step(step[is_wait], start_ns, "min")
+            _, last = per_step(step[is_wait], start_ns + spans["dur_ns"].to_numpy()[is_wait], "max")
+            pos = pd.Index(tl["step"]).get_indexer(steps)
             ok = pos >= 0
-            ws[pos[ok]] = region["first"].to_numpy(dtype="float64")[ok]
-            we[pos[ok]] = region["last"].to_numpy(dtype="float64")[ok]
+            ws[pos[ok]] = first.astype("float64")[ok]
+            we[pos[ok]] = last.astype("float64")[ok]
     has_wait = wait_union > 0
     ws, we = np.where(has_wait, ws, end), np.where(has_wait, we, end)
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
@@ -289,25 +297,22 @@ def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarr
     out = np.full(len(tl), np.nan)
     if spans is None or len(spans) == 0:
         return out
-    launches = spans[
-        (spans["kind"] == "busy").to_numpy()
-        & spans["label"].str.contains("launch", case=False, na=False).to_numpy()
-    ]
-    if len(launches) == 0:
+    launches = (spans["kind"] == "busy").to_numpy() & contains(spans["label"], "launch")
+    if not launches.any():
         return out
-    first = launches.groupby("step")["start_ns"].min()
-    pos = pd.Index(tl["step"]).get_indexer(first.index)
-    out[pos[pos >= 0]] = first.to_numpy(dtype="float64")[pos >= 0]
+    steps, first = per_step(spans["step"].to_numpy()[launches], spans["start_ns"].to_numpy()[launches], "min")
+    pos = pd.Index(tl["step"]).get_indexer(steps)
+    out[pos[pos >= 0]] = first.astype("float64")[pos >= 0]
     return out
 
 
 def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray,
-            matrices: maxplus.Matrix | None = None) -> np.ndarray:
+            levels: list[maxplus.Matrix] | None = None) -> np.ndarray:
     """Projected step times (ms); scales: one for all steps or one per step. Steps that each wait for their
     own GPU work (sync engines) are independent: vectorised. Steps that wait for the previous GPU work, their
     own or none: a max-plus scan (maxplus.py). Otherwise the sequential recurrence, one tight loop over steps
     (about 1 µs per step)."""
-    if matrices is None:  # (given: built by _matrices for these scales)
+    if levels is None:  # (given: built by _levels for these scales)
         d, k = _gpu_terms(p, cpu_scale=cpu_scale, gpu_scale=gpu_scale)
         if _independent(p):
             # The previous GPU work has ended before this step launches, so its GPU work ends at launch' + K.
@@ -318,7 +323,8 @@ def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.nd
         matrices = _step_matrices(p, d, k, cpu_scale=cpu_scale)
         if matrices is None:
             return _replay_loop(p, d, k, cpu_scale=cpu_scale)
-    t = maxplus.thread_times(matrices)
+        levels = maxplus.reduction_levels(matrices)
+    t = maxplus.thread_times(levels[0], levels)
     begin = np.concatenate([[0.0], t[:-1]]) + p.gap
     return (t - begin) / 1e6
 
