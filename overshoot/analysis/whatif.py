@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -195,6 +196,11 @@ class _Plan:
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
 
+    @cached_property
+    def pattern(self) -> _Pattern:
+        """The same for every scale: built once, shared by the step matrices of all of them."""
+        return _pattern(self)
+
 
 def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None = None) -> _Plan:
     start = tl["start_ns"].to_numpy(dtype="float64")
@@ -329,33 +335,59 @@ def _replay(p: _Plan, *, cpu_scale: float | np.ndarray, gpu_scale: float | np.nd
     return (t - begin) / 1e6
 
 
-def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxplus.Matrix | None:
-    """Each step's max-plus matrix over (thread time, latest GPU end, the one before), or None when some wait
-    awaits other GPU work than those two, the step's own, or none (the loop handles those)."""
+@dataclass
+class _Pattern:
+    """What each step's wait awaits, by its place in the max-plus state, and the constant entries that the
+    step matrices of every scale share (read-only: the scan never writes into its inputs)."""
+
+    on1: np.ndarray  # the latest GPU work before the step
+    on2: np.ndarray  # the one before it
+    own: np.ndarray  # the step's own GPU work, launched before the wait
+    none: np.ndarray  # no GPU work
+    scannable: bool  # every wait is one of those (else the loop replays)
+    neg: np.ndarray  # -inf everywhere
+    zero: np.ndarray
+    g1_of_g1: np.ndarray  # G1' from G2: nothing (-inf), a step with GPU work or not
+    g2: list[np.ndarray]  # G2' from (t, G1, G2): G1 after a step with GPU work, else G2
+
+
+def _pattern(p: _Plan) -> _Pattern:
     n = len(p.c0)
     rows = np.arange(n)
     gpu_rows = np.flatnonzero(p.has_gpu)
-    pos = np.searchsorted(gpu_rows, rows) - 1  # the last GPU row before each step
+    pos = np.cumsum(p.has_gpu) - p.has_gpu - 1  # the last GPU row before each step (its place in gpu_rows)
     prev1 = np.where(pos >= 0, gpu_rows[np.maximum(pos, 0)], -1) if len(gpu_rows) else np.full(n, -1)
     prev2 = np.where(pos >= 1, gpu_rows[np.maximum(pos - 1, 0)], -1) if len(gpu_rows) else np.full(n, -1)
     waits = p.awaited >= 0
     on1, on2 = waits & (p.awaited == prev1), waits & (p.awaited == prev2)
     own = waits & (p.awaited == rows) & p.has_gpu & ~p.wait_first
     none = ~waits
-    if not np.all(on1 | on2 | own | none):
-        return None
     neg, zero = np.full(n, maxplus.NEG), np.zeros(n)
+    g = p.has_gpu
+    g2 = [neg, np.where(g, zero, neg), np.where(g, neg, zero)]
+    for a in (neg, zero, *g2):
+        a.flags.writeable = False
+    return _Pattern(on1, on2, own, none, bool(np.all(on1 | on2 | own | none)), neg, zero, neg, g2)
+
+
+def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxplus.Matrix | None:
+    """Each step's max-plus matrix over (thread time, latest GPU end, the one before), or None when some wait
+    awaits other GPU work than those two, the step's own, or none (the loop handles those)."""
+    pat = p.pattern
+    if not pat.scannable:
+        return None
+    on1, on2, own, none, neg = pat.on1, pat.on2, pat.own, pat.none, pat.neg
     u = p.gap + p.c0 * cpu_scale
     c1, post, res = p.c1 * cpu_scale, p.c2 * cpu_scale, p.residual
+    uc1, res_post = u + c1, res + post  # (sums in the order they always had: the same figures to the bit)
     # Launch first (the usual order): the thread's end from t, G1, G2.
-    t_t = np.where(none, u + c1 + p.fixed_wait + post,
-                   np.where(own, np.maximum(u + c1, u + k) + res + post, u + c1 + res + post))
-    t_g1 = np.where(on1, res + post, np.where(own, d + res + post, neg))
-    t_g2 = np.where(on2, res + post, neg)
+    t_t = np.where(none, uc1 + p.fixed_wait + post,
+                   np.where(own, np.maximum(uc1, u + k) + res + post, uc1 + res + post))
+    t_g1 = np.where(on1, res_post, np.where(own, d + res + post, neg))
+    t_g2 = np.where(on2, res_post, neg)
     # The GPU: a step with work pushes it on (G1' from t and G1; G2' = G1); one without keeps both.
     g = p.has_gpu
-    g1 = [np.where(g, u + k, neg), np.where(g, d, zero), neg.copy()]
-    g2 = [neg.copy(), np.where(g, zero, neg), np.where(g, neg, zero)]
+    g1 = [np.where(g, u + k, neg), np.where(g, d, pat.zero), pat.g1_of_g1]
     if p.wait_first.any():  # wait, then launch: the thread reaches the launch at `at` (from t, G1, G2)
         wf = p.wait_first
         at_t = np.where(none, u + p.fixed_wait + c1, u + res + c1)
@@ -365,7 +397,7 @@ def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxp
         t_t, t_g1, t_g2 = (np.where(wf, at + post, x) for at, x in pairs)
         g1 = [np.where(wf, at_t + k, g1[0]), np.where(wf, np.maximum(d, at_g1 + k), g1[1]),
               np.where(wf, at_g2 + k, g1[2])]
-    return [[t_t, t_g1, t_g2], g1, g2]
+    return [[t_t, t_g1, t_g2], g1, pat.g2]
 
 
 def _replay_loop(p: _Plan, d_ns: np.ndarray, k_ns: np.ndarray, *, cpu_scale) -> np.ndarray:
