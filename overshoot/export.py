@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from overshoot.analysis.analyze import CPU_BOUND_SHARE, joined_steps, steps_table
+from overshoot.analysis.frames import as_str
 
 WHATS = ("steps", "spans", "gpu", "kernels", "ranks")
 FORMATS = ("parquet", "csv", "chrome")
@@ -100,7 +101,7 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
                                  gpu_ms=(kernels["gpu_end_ns"] - kernels["gpu_start_ns"]) / 1e6)
         return kernels[list(KERNELS_TYPES)].sort_values(["pid", "gpu_start_ns"], kind="stable")
     if what == "spans":
-        spans = run.spans.assign(thread=run.spans["thread"].astype("str"))
+        spans = _plain_strings(run.spans)
         return spans[list(SPANS_TYPES)].sort_values(["pid", "thread", "start_ns"], kind="stable")
     if what == "ranks":  # multi-rank engines: one row per engine step and rank (analysis/ranks.py)
         from overshoot.analysis.analyze import summarize
@@ -111,10 +112,16 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
             raise ExportError("--what ranks: this run has no per-rank steps (a single-rank engine)")
         return ranks.per_rank
     if what == "gpu":
-        gpu = run.gpu.assign(thread=run.gpu["thread"].astype("str"))
+        gpu = _plain_strings(run.gpu)
         gpu = gpu.assign(gpu_ms=(gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6)
         return gpu[list(GPU_TYPES)].sort_values(["pid", "thread", "gpu_start_ns"], kind="stable")
     raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
+
+
+def _plain_strings(df: pd.DataFrame) -> pd.DataFrame:
+    """The thread, and any categorical column (the spool's dictionary columns: kind, label), as "str"."""
+    cats = [c for c in df.columns if c == "thread" or isinstance(df[c].dtype, pd.CategoricalDtype)]
+    return df.assign(**{c: as_str(df[c]) for c in cats})
 
 
 def to_arrow(df: pd.DataFrame, what: str) -> pa.Table:

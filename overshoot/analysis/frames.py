@@ -23,11 +23,36 @@ def str_column(names: list[str], codes: np.ndarray) -> pd.Series:
     return pd.Series(pd.array(pa.array(names, pa.large_string()).take(pa.array(codes)), dtype=_STR))
 
 
+def codes_and_names(column: pd.Series) -> tuple[np.ndarray, pd.Index]:
+    """Integer codes of a string column's values (-1: null) and the distinct values they index: a
+    categorical's own (the spool's dictionary columns, rundir/spool.py), else factorised."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.codes.to_numpy(), column.cat.categories
+    codes, uniques = pd.factorize(column)
+    return codes, pd.Index(uniques)
+
+
+def as_str(column: pd.Series, fill: str | None = None) -> pd.Series:
+    """A string column as dtype "str", nulls filled with `fill` (kept null without one). A categorical goes
+    through its codes (str_column), not a Python string per row."""
+    if not isinstance(column.dtype, pd.CategoricalDtype):
+        column = column if fill is None else column.fillna(fill)
+        return column if column.dtype == _STR else column.astype("str")
+    codes, names = codes_and_names(column)
+    names = [str(name) for name in names]
+    if fill is not None and (codes < 0).any():
+        codes = np.where(codes < 0, len(names), codes)
+        names.append(fill)
+    if (codes < 0).any():
+        return pd.Series(pd.Categorical.from_codes(codes, names)).astype("str")
+    return str_column(names, codes)
+
+
 def contains(column: pd.Series, text: str) -> np.ndarray:
     """Per row: the string holds `text`, ignoring case (False where null). Tested once per distinct value
     (a span label column has a handful among millions of rows), then spread to the rows by code."""
-    codes, uniques = pd.factorize(column)
-    hit = pd.Series(uniques).str.contains(text, case=False, na=False)
+    codes, names = codes_and_names(column)
+    hit = pd.Series(names).str.contains(text, case=False, na=False)
     return np.append(hit.to_numpy(dtype=bool), False)[codes]  # code -1 (null): the appended False
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import str_column, worker_rows
+from overshoot.analysis.frames import as_str, str_column, worker_rows
 from overshoot.analysis.kernels import attach_gpu_truth
 
 STEP_COLUMNS = [
@@ -79,7 +79,7 @@ def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
     raw = run.steps
     heads = _run_heads(raw)
     pid_codes, pids = pd.factorize(raw["pid"].to_numpy()[heads])
-    thread_codes, threads = pd.factorize(raw["thread"].iloc[heads])
+    thread_codes, threads = pd.factorize(as_str(raw["thread"].iloc[heads]))
     pids, threads = pd.Index(pids), pd.Index(threads)
     code = _expand(heads, pid_codes * len(threads) + thread_codes, len(raw))
     order = np.lexsort((raw["start_ns"].to_numpy(), code))
@@ -90,7 +90,7 @@ def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
         {
             "run_id": str_column([run.run_id], np.zeros(len(df), "int8")),
             "pid": df["pid"].astype("int64"),
-            "thread": df["thread"] if df["thread"].dtype == "str" else df["thread"].astype("str"),
+            "thread": as_str(df["thread"]),
             "step": df["step"].astype("int64"),
             "start_ns": df["start_ns"].astype("int64"),
         }
@@ -102,7 +102,7 @@ def joined_steps_and_kernels(run, *, cpu_bound_ms: float = NEVER_WAITED_MS,
     out["wait_ms"] = wait_ns / 1e6
     out["batch_size"] = df["batch_size"].fillna(0).astype("int32")
     out["num_tokens"] = df["num_tokens"].fillna(0).astype("int32")
-    out["phase"] = df["phase"].fillna("unknown").astype("str")
+    out["phase"] = as_str(df["phase"], "unknown")
     gpu_start, gpu_end, idle_before = _gpu_columns(run, df, code, pids, threads)
     out["gpu_ms"] = (gpu_end - gpu_start) / 1e6
     out["gpu_idle_before_ms"] = idle_before
@@ -163,7 +163,7 @@ def _timeline_codes(frame: pd.DataFrame, pids: pd.Index, threads: pd.Index) -> n
     """Integer code of each row's (pid, thread); -1 for a recorder that has no steps."""
     heads = _run_heads(frame)
     p = pids.get_indexer(frame["pid"].to_numpy()[heads])
-    t = threads.get_indexer(frame["thread"].iloc[heads])
+    t = threads.get_indexer(as_str(frame["thread"].iloc[heads]))
     return _expand(heads, np.where((p >= 0) & (t >= 0), p * len(threads) + t, -1), len(frame))
 
 

@@ -19,7 +19,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 TABLES = ("steps", "spans", "gpu", "kernels", "kernel_windows")
 
@@ -184,14 +186,22 @@ def list_chunk_files(spool_dir: Path) -> list[ChunkFile]:
     return found
 
 
+# Base string columns with a handful of distinct values among millions of rows (the recorder's thread, a
+# span's kind and label, a step's phase): dictionary-encoded, so pandas reads them as categoricals.
+DICTIONARY_COLUMNS = {"steps": ("phase", "thread"), "spans": ("kind", "label", "thread"), "gpu": ("thread",)}
+
+
 def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
     """All chunks of one raw table across recorders, with `pid` (int64) and `thread` (str) columns added.
 
     Segments with different extra facts are merged by name (missing values are null; int/float widen).
-    String columns come back as one contiguous `large_string` chunk each (what pandas' "str" dtype holds):
-    left as read, a million steps are ~4,000 chunks (one per flush) that pandas casts one by one, and the
-    strings, which pandas keeps as Arrow memory, would pin every memory-mapped spool file (resident) for as
-    long as the Run lives. Numeric columns stay chunked: the conversion to numpy copies them anyway.
+    The DICTIONARY_COLUMNS come back dictionary-encoded, one contiguous chunk each, with the smallest index
+    type: a byte a row instead of an offset and the text (a million steps' spans: ~10 MB instead of ~120
+    MB), and a comparison with one value tests a few codes, not millions of strings. Other string columns
+    come back as one contiguous `large_string` chunk each (what pandas' "str" dtype holds). Either way:
+    left as read, a million steps are ~4,000 chunks (one per flush) that pandas converts one by one, and
+    strings kept as Arrow memory by pandas would pin every memory-mapped spool file (resident) for as long
+    as the Run lives. Numeric columns stay chunked: the conversion to numpy copies them anyway.
     """
     base = BASE_SCHEMAS[table]
     parts: list[pa.Table] = []
@@ -212,13 +222,37 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
         # The recorder is constant per file: Arrow repeat arrays, no per-row Python.
         n = part.num_rows
         part = part.append_column("pid", pa.repeat(pa.scalar(chunk.pid, pa.int64()), n))
-        part = part.append_column("thread", pa.repeat(pa.scalar(chunk.tag, pa.string()), n))
+        part = part.append_column("thread", _repeat_tag(chunk.tag, n))
         parts.append(part)
     if not parts:
-        empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", pa.string()))
+        empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", _TAG_TYPE))
         parts = [empty.empty_table()]
     merged = pa.concat_tables(parts, promote_options="permissive")
-    return pa.Table.from_arrays([_own_strings(c) for c in merged.columns], names=merged.column_names)
+    encoded = DICTIONARY_COLUMNS.get(table, ())
+    columns = [_dictionary(c) if name in encoded else _own_strings(c)
+               for name, c in zip(merged.column_names, merged.columns, strict=True)]
+    return pa.Table.from_arrays(columns, names=merged.column_names)
+
+
+_TAG_TYPE = pa.dictionary(pa.int8(), pa.string())
+
+
+def _repeat_tag(tag: str, n: int) -> pa.DictionaryArray:
+    """The recorder's tag on each of its n rows: one dictionary entry and n zero codes, no string a row."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, "int8")), pa.array([tag], pa.string()))
+
+
+def _dictionary(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string (or dictionary) column as one contiguous dictionary chunk in fresh memory, its indices the
+    smallest integer type that holds them; any other column as it is."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = pc.dictionary_encode(column)
+    elif not pa.types.is_dictionary(column.type):
+        return column
+    array = column.unify_dictionaries().combine_chunks() if column.num_chunks else column.combine_chunks()
+    size = len(array.dictionary)
+    index = pa.int8() if size <= 127 else pa.int16() if size <= 32767 else pa.int32()
+    return pa.chunked_array([array.cast(pa.dictionary(index, array.type.value_type))])
 
 
 def _own_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
