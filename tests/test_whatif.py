@@ -125,7 +125,7 @@ def test_max_plus_scan_equals_the_step_loop(seed):
     """The vectorised replay (max-plus prefix scan) gives the loop's step times, on random plans mixing
     steps that await the latest GPU work, the one before, their own, nothing, wait before launching, or
     launch nothing."""
-    from overshoot.analysis import whatif
+    from overshoot.analysis import maxplus, whatif
 
     rng = np.random.default_rng(seed)
     n = 5_000
@@ -157,10 +157,20 @@ def test_max_plus_scan_equals_the_step_loop(seed):
     base = whatif._replay(plan, cpu_scale=1.0, gpu_scale=1.0)
     runs = np.repeat(rng.integers(-1, 8, n), rng.integers(1, 80, n))[:n]  # 8 groups: runs are folded
     steps = rng.integers(-1, 8, n)
+    # 3 groups in long runs (as project mixes them: only the reduction's nodes at the runs' edges, the
+    # unchanged reduction kept only where the mixes read it)
+    few = np.repeat(np.resize([0, 1, 2, -1], 40), 125)
+    same = maxplus.Reduction(whatif._levels(plan, 1.0, 1.0)).kept_for([few == g for g in range(3)],
+                                                                      side_a=False)
+    assert not same.whole
     for group_of, w in ((steps, WhatIf("cpu", -0.1)), (steps, WhatIf("gpu", -0.1)),
-                        (runs, WhatIf("cpu", -0.1)), (runs, WhatIf("gpu", -0.1))):
-        changes = whatif._group_changes(plan, w, group_of, base, base)
-        for g in range(8):
+                        (runs, WhatIf("cpu", -0.1)), (runs, WhatIf("gpu", -0.1)),
+                        (few, WhatIf("cpu", -0.1)), (few, WhatIf("gpu", -0.1))):
+        levels = (whatif._levels(plan, *whatif._scales(w)), same) if group_of is few else None
+        changes = whatif._group_changes(plan, w, group_of, base, base, levels=levels)
+        if group_of is few:  # the same products as a plain mix of all steps
+            assert np.array_equal(changes, whatif._group_changes(plan, w, group_of, base, base))
+        for g in range(int(group_of.max()) + 1):
             scale = np.where(group_of == g, 0.9, 1.0)
             cpu, gpu = (scale, 1.0) if w.target == "cpu" else (1.0, scale)
             d, k = whatif._gpu_terms(plan, cpu_scale=cpu, gpu_scale=gpu)

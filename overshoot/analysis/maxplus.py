@@ -101,51 +101,121 @@ def final_time_of(levels: list[Matrix]) -> float:
     return float(top[0][0][0]) if len(top[0][0]) else 0.0
 
 
-def mixed_final_time(levels_a: list[Matrix], levels_b: list[Matrix], pick_a: np.ndarray) -> float:
+class Reduction:
+    """The levels of a pairwise reduction (reduction_levels) as mixed_final_time reads them: all of them, or
+    (kept_for) only the nodes that given mixes read, the rest freed."""
+
+    def __init__(self, levels: list[Matrix]) -> None:
+        self.levels = levels
+        self.sizes = [len(level[0][0]) for level in levels]
+        self.index: list[np.ndarray] | None = None  # per level, the kept nodes (sorted); None: all
+
+    @property
+    def whole(self) -> bool:
+        return self.index is None
+
+    def end(self) -> float:
+        return final_time_of(self.levels)
+
+    def take(self, k: int, nodes: np.ndarray) -> Matrix:
+        """Values of some nodes of level k (kept ones only, when not whole)."""
+        at = nodes if self.index is None else np.searchsorted(self.index[k], nodes)
+        return _take(self.levels[k], at)
+
+    def kept_for(self, picks: list[np.ndarray], side_a: bool) -> Reduction:
+        """This reduction with only the nodes that mixed_final_time reads from it as side a (`side_a`) or b
+        for these picks; itself when one of them mixes the plain way (it reads every step)."""
+        needed: list[list[np.ndarray]] = [[] for _ in self.sizes]
+        for pick in picks:
+            pick = np.asarray(pick, bool)
+            changes = _changes(pick)
+            if _plain_mix(changes, len(self.sizes), len(pick)):
+                return self
+            for k, (idx, below) in enumerate(_over_both(changes, len(self.sizes)), start=1):
+                children = np.concatenate([2 * idx, 2 * idx + 1])
+                children = children[children < self.sizes[k - 1]]
+                pure = ~_member(children, below)
+                on_side = pick[children << (k - 1)] == side_a
+                needed[k - 1].append(children[pure & on_side])
+        out = Reduction([])
+        out.sizes = self.sizes
+        out.index = [np.unique(np.concatenate(n)) if n else np.empty(0, "int64") for n in needed[:-1]]
+        out.levels = [_take(level, i) for level, i in zip(self.levels, out.index, strict=False)]
+        out.index.append(np.zeros(1, "int64") if self.sizes[-1] else np.empty(0, "int64"))
+        out.levels.append(self.levels[-1])  # the top: the end of the timeline
+        return out
+
+
+def _changes(pick: np.ndarray) -> np.ndarray:
+    """First step of each run of equal picks but the first."""
+    return np.flatnonzero(pick[1:] != pick[:-1]) + 1
+
+
+def _plain_mix(changes: np.ndarray, depth: int, n: int) -> bool:
+    """Sides changing every few steps: composing the mixed steps outright is cheaper."""
+    return len(changes) * depth > n // 4
+
+
+def _over_both(changes: np.ndarray, depth: int):
+    """Per level k = 1 .. depth - 1: the nodes over both sides (sorted), and those of level k - 1."""
+    below = np.empty(0, "int64")  # leaves are of one side each
+    for k in range(1, depth):
+        width = 1 << k
+        idx = np.unique(changes[(changes - 1) // width == changes // width] // width)
+        yield idx, below
+        below = idx
+
+
+def _member(nodes: np.ndarray, sorted_nodes: np.ndarray) -> np.ndarray:
+    if len(sorted_nodes) == 0:
+        return np.zeros(len(nodes), bool)
+    pos = np.minimum(np.searchsorted(sorted_nodes, nodes), len(sorted_nodes) - 1)
+    return sorted_nodes[pos] == nodes
+
+
+def mixed_final_time(side_a: Reduction, side_b: Reduction, pick_a: np.ndarray) -> float:
     """final_time of the steps' matrices taken from side a where `pick_a`, else from side b, given both
-    sides' reduction_levels. A node of the reduction over steps of one side only is that side's node, so
-    only the nodes over both sides (one a level at each change of side) are composed again, with the very
+    sides' reductions. A node of the reduction over steps of one side only is that side's node, so only
+    the nodes over both sides (one a level at each change of side) are composed again, with the very
     products final_time would compute: the same result to the bit, for a fraction of the work when the
     sides come in runs (a group's steps, in whatif.py). Sides changing every few steps: the plain way."""
     pick_a = np.asarray(pick_a, bool)
     n = len(pick_a)
-    changes = np.flatnonzero(pick_a[1:] != pick_a[:-1]) + 1  # first step of each run but the first
-    if len(changes) * len(levels_a) > n // 4:
+    changes = _changes(pick_a)
+    depth = len(side_a.sizes)
+    if _plain_mix(changes, depth, n):
         mixed = [[np.where(pick_a, a, b) for a, b in zip(ra, rb, strict=True)]
-                 for ra, rb in zip(levels_a[0], levels_b[0], strict=True)]
+                 for ra, rb in zip(side_a.levels[0], side_b.levels[0], strict=True)]
         return final_time(mixed)
     if len(changes) == 0:
-        return final_time_of(levels_a if n and pick_a[0] else levels_b)
-    both_idx, both = np.empty(0, "int64"), None  # nodes over both sides at the level below, and their values
-    for k in range(1, len(levels_a)):
-        width = 1 << k
-        idx = np.unique(changes[(changes - 1) // width == changes // width] // width)
-        below = (levels_a[k - 1], levels_b[k - 1], both_idx, both, pick_a, width >> 1)
-        paired = 2 * idx + 1 < len(levels_a[k - 1][0][0])  # an odd last node is carried up as it is
-        value = compose(_node_values(*below, 2 * idx[paired] + 1), _node_values(*below, 2 * idx[paired]))
+        return (side_a if n and pick_a[0] else side_b).end()
+    both: Matrix | None = None  # values of the nodes over both sides at the level below
+    for k, (idx, below) in enumerate(_over_both(changes, depth), start=1):
+        sides = (side_a, side_b, k - 1, below, both, pick_a)
+        paired = 2 * idx + 1 < side_a.sizes[k - 1]  # an odd last node is carried up as it is
+        value = compose(_node_values(*sides, 2 * idx[paired] + 1), _node_values(*sides, 2 * idx[paired]))
         if not paired.all():  # the carried node is the last one
-            carried = _node_values(*below, 2 * idx[~paired])
+            carried = _node_values(*sides, 2 * idx[~paired])
             value = [[np.append(value[r][c], carried[r][c]) for c in range(SIZE)] for r in range(SIZE)]
-        both_idx, both = idx, value
+        both = value
     return final_time_of([both])
 
 
-def _node_values(level_a: Matrix, level_b: Matrix, both_idx: np.ndarray, both: Matrix | None,
-                 pick_a: np.ndarray, width: int, nodes: np.ndarray) -> Matrix:
-    """Values of some nodes of one reduction level: side a's or side b's node, or the recomposed value of a
-    node over both sides (`both_idx`, sorted, with `both`). `width`: steps per node at this level."""
-    from_a = pick_a[nodes * width]
-    pos = np.minimum(np.searchsorted(both_idx, nodes), max(len(both_idx) - 1, 0))
-    is_both = both_idx[pos] == nodes if len(both_idx) else np.zeros(len(nodes), bool)
-    out = []
-    for r in range(SIZE):
-        row = []
-        for c in range(SIZE):
-            value = np.where(from_a, level_a[r][c][nodes], level_b[r][c][nodes])
-            if both is not None and is_both.any():
-                value = np.where(is_both, both[r][c][pos], value)
-            row.append(value)
-        out.append(row)
+def _node_values(side_a: Reduction, side_b: Reduction, k: int, both_idx: np.ndarray, both: Matrix | None,
+                 pick_a: np.ndarray, nodes: np.ndarray) -> Matrix:
+    """Values of some nodes of reduction level k: side a's or side b's node, or the recomposed value of a
+    node over both sides (`both_idx`, sorted, with `both`)."""
+    is_both = _member(nodes, both_idx)
+    from_a = pick_a[nodes << k] & ~is_both
+    from_b = ~pick_a[nodes << k] & ~is_both
+    parts = [(from_a, side_a.take(k, nodes[from_a])), (from_b, side_b.take(k, nodes[from_b]))]
+    if both is not None and is_both.any():
+        parts.append((is_both, _take(both, np.searchsorted(both_idx, nodes[is_both]))))
+    out = [[np.empty(len(nodes)) for _ in range(SIZE)] for _ in range(SIZE)]
+    for where, values in parts:
+        for r in range(SIZE):
+            for c in range(SIZE):
+                out[r][c][where] = values[r][c]
     return out
 
 
