@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+from pandas.core.groupby import DataFrameGroupBy
 
 from overshoot.analysis.frames import per_step, worker_rows
 from overshoot.analysis.kernels import SOURCES, primary_row
@@ -259,12 +260,11 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
     count = np.bincount(group_id, minlength=n_groups)
     source = _source_codes(df["gpu_timing"])
     measured = source == SOURCES.index("kernels")
-    columns = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "kernels", "launch_ms")
-    medians = pd.DataFrame({c: df[c].to_numpy(dtype="float64") for c in columns})
-    for c in ("gpu_busy_ms", "kernels", "launch_ms"):  # measured steps only
-        medians.loc[~measured, c] = np.nan
-    by_group = medians.groupby(group_id, sort=True)
-    median = by_group.median()
+    # Steps per group and source (a column per code in SOURCES, and one for none of them).
+    width = len(SOURCES) + 1
+    by_source = np.bincount(group_id * width + np.where(source < 0, len(SOURCES), source),
+                            minlength=n_groups * width).reshape(n_groups, width)
+    median, by_group = _medians(df, measured, group_id, n_groups)
     out = df[keys].iloc[first_row].reset_index(drop=True)
     if "concurrency" in keys and "load_window" in df.columns:
         out.insert(len(keys), "load_window", _group_windows(df, out, total, count))
@@ -277,15 +277,15 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
     out["gpu_busy_ms_median"] = median["gpu_busy_ms"].to_numpy()
     out["kernels_median"] = median["kernels"].to_numpy()
     out["launch_ms_median"] = median["launch_ms"].to_numpy()
-    out["kernel_steps"] = total(measured.astype("float64")).astype("int64")
-    out["gpu_timing"] = _group_timing(total, source, count)
+    out["kernel_steps"] = by_source[:, SOURCES.index("kernels")].astype("int64")
+    out["gpu_timing"] = _group_timing(by_source, count)
     verdict = df["cpu_bound"].to_numpy(dtype="float64", na_value=np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
         known = ~np.isnan(verdict)
         out["cpu_bound_pct"] = 100.0 * total(np.nan_to_num(verdict)) / total(known.astype("float64"))
         never_waited = df["thread_never_waited"].to_numpy(dtype="float64")
         out["thread_never_waited_pct"] = 100.0 * total(never_waited) / count
-        out["gpu_idle_pct"] = _idle_share(total, df, source)
+        out["gpu_idle_pct"] = _idle_share(df, source, group_id, n_groups)
         # The gaps between kernels inside steps: instrumented steps only (unknown without kernel data).
         idle_in = np.nan_to_num(df["gpu_idle_in_step_ms"].to_numpy(dtype="float64"))
         out["gpu_idle_in_step_pct"] = 100.0 * total(np.where(measured, idle_in, 0.0)) / total(
@@ -322,25 +322,52 @@ def _source_codes(column: pd.Series) -> np.ndarray:
     return np.array([*lookup, -1], "int8")[codes]  # code -1 (null): the appended -1
 
 
-def _idle_share(total, df: pd.DataFrame, source: np.ndarray) -> np.ndarray:
+def _medians(df: pd.DataFrame, measured: np.ndarray, group_id: np.ndarray,
+             n_groups: int) -> tuple[pd.DataFrame, DataFrameGroupBy]:
+    """Per group (rows in group order): the median of each figure, NaN ignored (kernel figures: of the
+    measured steps only), and the group-by for other statistics. A column without any value has a NaN
+    median in every group: it is not sorted through."""
+    values = {}
+    for c in _MEDIAN_COLUMNS:
+        v = df[c].to_numpy(dtype="float64")
+        values[c] = np.where(measured, v, np.nan) if c in _MEASURED_ONLY else v
+    known = [c for c, v in values.items() if c == "step_ms" or not np.isnan(v).all()]
+    by_group = pd.DataFrame({c: values[c] for c in known}).groupby(group_id, sort=True)
+    return by_group.median().reindex(columns=list(_MEDIAN_COLUMNS)), by_group
+
+
+_MEDIAN_COLUMNS = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "kernels", "launch_ms")
+_MEASURED_ONLY = ("gpu_busy_ms", "kernels", "launch_ms")
+
+
+def _idle_share(df: pd.DataFrame, source: np.ndarray, group_id: np.ndarray, n_groups: int) -> np.ndarray:
     """GPU idle share of each group's steps, time-weighted, from the group's best source: plain steps of a
     sampled group ("estimate": step time of uninstrumented steps, GPU busy of instrumented ones), else the
-    instrumented steps, else the idle before the steps (events)."""
+    instrumented steps, else the idle before the steps (events). Sums per (group, source) in one pass each;
+    a bin adds its rows in row order, as a per-source sum over the group would."""
     idle = df["gpu_idle_ms"].to_numpy(dtype="float64")
     step = df["step_ms"].to_numpy()
-    out = np.full(len(total(step)), np.nan)
+    width = len(SOURCES) + 1  # the last column: other sources and steps without an idle figure
+    column = np.where((source < 0) | np.isnan(idle), len(SOURCES), source)
+    bins = group_id * width + column
+
+    def per_source(weights: np.ndarray | None) -> np.ndarray:
+        return np.bincount(bins, weights=weights, minlength=n_groups * width).reshape(n_groups, width)
+
+    steps, step_sum = per_source(None), per_source(step)
+    idle_sum = per_source(np.where(np.isnan(idle), 0.0, idle))  # (NaN rows are in the last column)
+    out = np.full(n_groups, np.nan)
     for name in reversed(_SOURCES):  # best last: it overwrites
-        mine = (source == SOURCES.index(name)) & ~np.isnan(idle)
-        denominator = total(np.where(mine, step, 0.0))
-        share = 100.0 * total(np.where(mine, idle, 0.0)) / denominator
-        out = np.where(total(mine.astype("float64")) > 0, share, out)
+        c = SOURCES.index(name)
+        share = 100.0 * idle_sum[:, c] / step_sum[:, c]
+        out = np.where(steps[:, c] > 0, share, out)
     return out
 
 
-def _group_timing(total, source: np.ndarray, count: np.ndarray) -> np.ndarray:
+def _group_timing(by_source: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Per group: "kernels" (every step instrumented), "sampled", "events" or "none"."""
-    kernels = total((source == SOURCES.index("kernels")).astype("float64"))
-    events = total(np.isin(source, [SOURCES.index("events"), SOURCES.index("estimate")]).astype("float64"))
+    kernels = by_source[:, SOURCES.index("kernels")]
+    events = by_source[:, SOURCES.index("events")] + by_source[:, SOURCES.index("estimate")]
     return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled",
                     np.where(events > 0, "events", "none"))).astype(object)
 

@@ -60,6 +60,8 @@ def per_step(step: np.ndarray, values: np.ndarray, how: str) -> tuple[np.ndarray
     """Distinct steps (ascending) and the smallest (`how` "min") or largest ("max") value of each. Spans are
     recorded in time order, so their steps normally come in runs: one reduceat over the runs instead of a
     hash group-by."""
+    if len(step) and np.all(step[1:] > step[:-1]):  # one value a step
+        return step, values
     if len(step) and np.all(step[1:] >= step[:-1]):
         starts = np.flatnonzero(np.diff(step, prepend=step[:1] - 1))
         ufunc = np.minimum if how == "min" else np.maximum

@@ -207,7 +207,10 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     nan = np.full(n, np.nan)
     code = out["_timeline"].to_numpy()
     rows = np.flatnonzero(code == code[primary_row(out)]) if n else np.zeros(0, "int64")
-    sk = step_kernels(out.iloc[rows], getattr(run, "kernels", None), getattr(run, "kernel_windows", None))
+    # (the two columns step_kernels reads: a slice of the whole table would copy every column)
+    times = out[["start_ns", "end_ns"]]
+    sk = step_kernels(times if len(rows) == n else times.iloc[rows], getattr(run, "kernels", None),
+                      getattr(run, "kernel_windows", None))
     inst = np.zeros(n, bool)
     inst[rows] = sk.instrumented
     cols = {name: nan.copy() for name in ("kernels", "gpu_busy_ms", "gpu_idle_in_step_ms", "launch_ms")}

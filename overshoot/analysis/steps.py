@@ -229,11 +229,13 @@ def _attach_detached(gpu: pd.DataFrame, gpu_code: np.ndarray, gpu_step: np.ndarr
     (e.g. data-parallel engine cores) time cannot tell them apart and they stay unattributed. Several
     intervals of one step (ranks, calls) merge: first start .. last end."""
     worker_codes = np.unique(code[worker_rows(steps)])
-    engine_rows = ~np.isin(code, worker_codes)
     detached = (gpu_code < 0) | (gpu_step < 0)
     from_worker = np.isin(gpu_code, worker_codes) & ~detached
+    if not (detached.any() or from_worker.any()):  # the usual case: nothing to attach
+        return gpu, gpu_code, gpu_step
+    engine_rows = ~np.isin(code, worker_codes)
     engines = np.unique(code[engine_rows])
-    if not (detached.any() or from_worker.any()) or len(engines) != 1:
+    if len(engines) != 1:
         return gpu, gpu_code, gpu_step
     if from_worker.any():  # a copy for the engine step; the original stays on the worker's step
         gpu = pd.concat([gpu, gpu[from_worker]], ignore_index=True)
