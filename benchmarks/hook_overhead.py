@@ -81,8 +81,14 @@ class HookedMode:
                 # The recorder opens at the first hooked call (run directory, spool files, CUPTI): once a
                 # process, so a short generation opens it before the first timed round.
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+            else:
+                self.recorder.resume_kernel_timing()
             return timed_round(engine, batch, tokens, prompt_len)
         finally:
+            # CUPTI left on would slow the plain rounds and the other modes' too (kernels mode's one window
+            # spans its whole run); the round ended synchronized, so no kernel of it is still running.
+            if self.recorder is not None:
+                self.recorder.pause_kernel_timing()
             patcher.reset()
 
     def close(self) -> None:
@@ -97,8 +103,12 @@ def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
         return timed_round(engine, batch, tokens, prompt_len)
 
 
-def check_run(run_dir: Path, cuda: bool) -> dict:
-    """Decode steps recorded in a mode's run directory, with GPU intervals and with kernel records."""
+def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
+    """Decode steps recorded in a mode's run directory, with GPU intervals and with kernel records, and what
+    the kernel windows cost by the run's own account: the switches (less the collector's once-a-process
+    set-up, shown apart) plus the instrumented decode steps' excess (median inside over median plain) over
+    `hooked_ms`, the time of the mode's timed rounds. A check of the paired rounds that is free of the
+    machine's round-to-round noise, and that sees only what the windows cost."""
     from overshoot.analysis.steps import joined_steps
     from overshoot.rundir.reader import load_run
 
@@ -106,10 +116,20 @@ def check_run(run_dir: Path, cuda: bool) -> dict:
     steps = joined_steps(run)
     decode = steps[steps["phase"] == "decode"]
     switch = run.spans[run.spans["label"] == "overshoot:kernel-timing"]["dur_ns"]
+    sampler = next((p["kernel_timing"] for p in run.processes if p.get("kernel_timing")), None)
+    setup_ms = float((sampler or {}).get("setup_ms") or 0.0)
+    inside = decode["gpu_timing"] == "kernels"
+    plain_ms = float(decode.loc[~inside, "step_ms"].median()) if (~inside).any() else float("nan")
+    # medians: a round's last step lasts until the mode's next round (the hooks are off in between)
+    excess_ms = float((decode.loc[inside, "step_ms"].median() - plain_ms) * inside.sum()) \
+        if inside.any() and (~inside).any() else 0.0
+    run_ms = hooked_ms
+    switch_ms = float(switch.sum() / 1e6)
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
-            "with_kernels": int((decode["gpu_timing"] == "kernels").sum()),
-            "switch_ms": float(switch.sum() / 1e6), "switches": int(len(switch))}
+            "with_kernels": int(inside.sum()), "switch_ms": switch_ms, "switches": int(len(switch)),
+            "setup_ms": setup_ms, "windows_excess_ms": excess_ms, "run_ms": run_ms,
+            "accounted": (switch_ms - setup_ms + excess_ms) / run_ms if run_ms > 0 else None}
 
 
 def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> dict:
@@ -120,9 +140,11 @@ def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> di
     p, h = np.asarray(plain), np.asarray(hooked)
     picks = np.random.default_rng(seed).integers(0, len(p), size=(2000, len(p)))
     boot = h[picks].sum(axis=1) / p[picks].sum(axis=1)
+    boot_median = np.median((h / p)[picks], axis=1)  # robust to a round the machine slowed mid-way
     return {"ratio": float(h.sum() / p.sum()), "low": float(np.quantile(boot, 0.05)),
             "high": float(np.quantile(boot, 0.95)), "median_ratio": float(np.median(h / p)),
-            "ms": float(np.median(h))}
+            "median_low": float(np.quantile(boot_median, 0.05)),
+            "median_high": float(np.quantile(boot_median, 0.95)), "ms": float(np.median(h))}
 
 
 def measure_config(name: str, args) -> dict:
@@ -164,7 +186,8 @@ def measure_config(name: str, args) -> dict:
             row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
                    "plain_ms": statistics.median(times["plain"]), "rounds": times,
                    "modes": {m: {**paired_cost(times["plain"], times[m]),
-                                 "run": check_run(hooked[m].run_dir, cuda)} for m in args.modes}}
+                                 "run": check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens)}
+                             for m in args.modes}}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
         if args.profiler and cuda:
@@ -181,7 +204,7 @@ def print_table(results: list[dict], args) -> None:
           "median")
     modes = [*args.modes] + (["profiler"] if args.profiler else [])
     print(f"{'configuration':22} {'batch':>5} {'rounds':>6} {'plain ms':>8} "
-          + " ".join(f"{m:>22}" for m in modes) + "  kernel steps / decode steps")
+          + " ".join(f"{m:>22}" for m in modes) + "  per mode: kernel steps, median round ratio, own account")
     for result in results:
         for row in result.get("rows", []):
             cells = []
@@ -193,8 +216,13 @@ def print_table(results: list[dict], args) -> None:
                     cells.append(f"{cell['ratio']:>21.3f}x")
                 else:
                     cells.append(f"{cell['ratio']:6.3f}x [{cell['low']:.3f}-{cell['high']:.3f}]")
-            recorded = ", ".join(f"{m}: {r['run']['with_kernels']}/{r['run']['decode_steps']}"
-                                 for m, r in row["modes"].items() if m != "events")
+            recorded = "; ".join(
+                f"{m}: {r['run']['with_kernels']}/{r['run']['decode_steps']} steps, median round "
+                f"{r['median_ratio']:.3f} [{r['median_low']:.3f}-{r['median_high']:.3f}]"
+                + (f", own account {100 * r['run']['accounted']:+.2f}% "
+                   f"(+{r['run']['setup_ms']:.0f} ms set-up)"
+                   if m == "sampled" and r["run"]["accounted"] is not None else "")
+                for m, r in row["modes"].items())
             print(f"{row['config']:22} {row['batch']:>5} {row['rounds_done']:>6} {row['plain_ms']:8.3f} "
                   + " ".join(cells) + f"  {recorded}")
         if "error" in result:

@@ -142,6 +142,38 @@ def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_pat
     assert len(windows) >= 2 and min(gap_steps) >= 0.8 * 2e6 / (0.05 * plain_ns), (gap_steps, plain_ns)
 
 
+class SetUpOnFirstEnable(VirtualCollector):
+    """Sets itself up inside its first enable (as CUPTI does, 50-240 ms in a served engine) and says so."""
+
+    setup_ns = 0
+
+    def enable(self) -> None:
+        if self.enables == 0:
+            t = perf_counter_ns()
+            spin(100_000_000)
+            self.setup_ns += perf_counter_ns() - t
+        super().enable()
+
+
+def test_the_collector_set_up_does_not_space_windows_as_if_every_switch_cost_it(tmp_path):
+    collector = SetUpOnFirstEnable()
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
+    sampler = rec._sampler = KernelSampler(rec, collector, mode="sampled", window_steps=8, min_gap=32,
+                                           budget=0.05, drain_seconds=0.05)
+    gpu_free = 0
+    for _ in range(300):
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+    info = sampler.info()
+    rec.close()
+    # 100 ms over 5% of ~0.2 ms steps would space the next window 10,000 steps away; a cheap switch keeps
+    # windows at the minimum gap
+    assert sampler.windows >= 4, sampler.windows
+    assert 100 <= info["setup_ms"] < 150 and info["switch_ms"] >= info["setup_ms"]
+
+
 class InFlightAtSwitchOff(VirtualCollector):
     """CUPTI as seen on the H200: a kernel still running when its kind is switched off is handed over at a
     later collect with that collect's time as its end; kernels still running stay pending (forced at the
@@ -219,3 +251,24 @@ def test_the_collector_goes_off_only_after_the_window_gpu_work(tmp_path):
     assert np.allclose(inside["gpu_busy_ms"], KERNELS * kernel_ns / 1e6)
     # the kernels of the steps after each window, launched while its work drained, were dropped
     assert run.processes[0]["kernel_timing"]["dropped_outside_windows"] >= KERNELS * (len(windows) - 1)
+
+
+def test_paused_kernel_timing_records_nothing_between_recorded_stretches(tmp_path):
+    collector = VirtualCollector()
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="kernels")
+    rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=0.05)
+    gpu_free = 0
+    for stretch in range(3):
+        if stretch:
+            rec.resume_kernel_timing()
+        for _ in range(10):
+            rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+            gpu_free = collector.launch(gpu_free)
+        rec.step_end()
+        rec.pause_kernel_timing()
+        assert not collector.on
+        for _ in range(5):  # unrecorded work between stretches (a plain round): its kernels are not taken
+            gpu_free = collector.launch(gpu_free)
+    rec.close()
+    run = load_run(tmp_path / "r")
+    assert collector.enables == 3 and len(run.kernels) == 30

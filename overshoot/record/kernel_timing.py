@@ -98,6 +98,8 @@ class KernelSampler:
         self._on = False
         self._closing: Callable[[], bool] | None = None  # window closed; the collector stays on until True
         self._closing_steps = 0
+        self._paused = False
+        self._switch_offs = 0  # read by the drain thread: a window's records to deliver after it
         # [start, end, collector off] of every window, host ns (inf while open or still collecting):
         # appended by the engine thread, read by the drain thread
         self._spans: list[list[float]] = []
@@ -109,6 +111,8 @@ class KernelSampler:
         self._plain = deque(maxlen=window_steps)  # durations of the last plain steps
         self._inside: list[int] = []
         self._switch_ns = 0  # time the last window's two switches took (between steps, on the engine thread)
+        self.switch_ns_total = 0  # every switch, the first enable's set-up included
+        self.setup_ns = 0  # the collector's set-up inside its first enable (once a process)
         self._seen: set[tuple] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -145,16 +149,35 @@ class KernelSampler:
             return self._open_window(t)
         return t
 
+    def pause(self) -> None:
+        """Collector off while the host runs work it does not record (no steps: the unhooked rounds of
+        benchmarks/hook_overhead.py); `resume` puts it back as it was. Call with the GPU idle."""
+        self._paused = self._on or self._closing is not None
+        if self._paused:
+            self._call(self.collector.disable)
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._call(self.collector.enable)
+        self._last_t = 0  # the time in between was no step
+
     def _open_window(self, t: int) -> int:
+        setup_before = getattr(self.collector, "setup_ns", 0)
         if not self._call(self.collector.enable):
             return perf_counter_ns()
         t_after = perf_counter_ns()
+        # A collector's first enable in a process also sets it up (CUPTI: 50-240 ms in the served engine on
+        # the H200), paid once, not by every window: spaced by it, the next window would come tens of
+        # thousands of steps later.
+        setup = getattr(self.collector, "setup_ns", 0) - setup_before
+        self.setup_ns += setup
         self._on = True
         self._window_start = t_after
         self._spans.append([t_after, math.inf, math.inf])
         self.windows += 1
         self._inside = []
-        self._switch_ns = t_after - t
+        self._switch_ns = max(0, t_after - t - setup)
         return self._after_switch(t, t_after)
 
     def _close_window(self, t: int) -> int:
@@ -164,7 +187,6 @@ class KernelSampler:
         self.recorder.kernel_window(self._window_start, t)
         self._spans[-1][1] = t
         self._steps_since = 0
-        self._gap = self._next_gap()
         self._closing = self._make_fence()
         self._closing_steps = 0
         return self._switch_off(t) if self._fence_done() else t
@@ -176,10 +198,13 @@ class KernelSampler:
         t_after = perf_counter_ns()
         self._spans[-1][2] = t  # records that end later are not trusted: the collector was going off
         self._switch_ns += t_after - t
+        self._gap = self._next_gap()  # both switches known now
+        self._switch_offs += 1
         self._wake.set()
         return self._after_switch(t, t_after)
 
     def _after_switch(self, t: int, t_after: int) -> int:
+        self.switch_ns_total += t_after - t
         self.recorder._emit_span(-1, "busy", TIMING_LABEL, t, t_after - t)
         self._last_t = t_after
         return t_after
@@ -230,12 +255,20 @@ class KernelSampler:
     # ---- drain thread ----
 
     def _drain_loop(self, seconds: float) -> None:
+        seen_offs, after_off = 0, 0
         while not self._stop.is_set():
             self._wake.wait(seconds)
             self._wake.clear()
             if self._stop.is_set():
                 break
-            self._deliver(final=False)
+            offs = self._switch_offs
+            if offs > seen_offs:  # a window's collector went off: CUPTI hands over a buffer only once all
+                seen_offs, after_off = offs, 3  # its records are complete, so look a few more times
+            # Between windows the collector is off and has nothing left to hand over: no flush, no work
+            # on this thread that could take the GIL from the engine thread.
+            if self._on or self._closing is not None or after_off > 0:
+                after_off -= 1
+                self._deliver(final=False)
 
     def _deliver(self, *, final: bool) -> None:
         try:
@@ -305,4 +338,5 @@ class KernelSampler:
     def info(self) -> dict:
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
+                "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
                 "collector": self.collector.describe()}

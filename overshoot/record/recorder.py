@@ -381,6 +381,16 @@ class Recorder:
 
     # ---- GPU ----
 
+    def pause_kernel_timing(self) -> None:
+        """Kernel timing's collector off while this process runs GPU work that is not recorded (between
+        hooked stretches; benchmarks/hook_overhead.py), until `resume_kernel_timing`."""
+        if self._sampler is not None:
+            self._sampler.pause()
+
+    def resume_kernel_timing(self) -> None:
+        if self._sampler is not None:
+            self._sampler.resume()
+
     def gpu_begin(self, stream) -> None:
         """Record the step's GPU-start CUDA event on `stream` (first call per step only).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 
@@ -61,6 +62,7 @@ class _Session:
 
     _lock = threading.Lock()
     _instance: _Session | None = None
+    enabled_once = False  # CUPTI's first activity enable in this process has happened
 
     @classmethod
     def get(cls) -> _Session:
@@ -189,6 +191,7 @@ class CuptiCollector:
         self._join = records.LaunchJoin(wait=CARRY_COLLECTS, keep=KEEP_CALLS_COLLECTS)
         self._enabled = False
         self._lock = threading.Lock()  # collect() against close()
+        self.setup_ns = 0  # the process's first enable: CUPTI set-up and its first activity enable
 
     def _ready(self) -> _Session:
         if self._session is None:
@@ -211,10 +214,15 @@ class CuptiCollector:
     def enable(self) -> None:
         """Engine thread, step boundary: five ctypes calls into CUPTI, ~0.1 ms (the first call also sets
         CUPTI up for the process, see _Session). Never synchronizes or flushes."""
+        first = not _Session.enabled_once
+        t = time.perf_counter_ns()
         try:
             self._ready().set_enabled(True)
         except native.CuptiError as e:
             raise KernelTimingError(str(e)) from None
+        if first:  # CUPTI attaches to the context here: tens to hundreds of ms, once a process
+            _Session.enabled_once = True
+            self.setup_ns += time.perf_counter_ns() - t
         self._enabled = True
 
     def disable(self) -> None:
