@@ -223,10 +223,43 @@ class _Plan:
 
 
 def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None = None) -> _Plan:
+    """The plan of one timeline. Built in steps whose intermediate arrays die with them: at a million
+    steps each is 8 MB, and they would all live at once in one function."""
     start = tl["start_ns"].to_numpy(dtype="float64")
     end = tl["end_ns"].to_numpy(dtype="float64")
     wait_union = tl["wait_ms"].to_numpy(dtype="float64") * 1e6
-    # Merged wait region per step: first wait start .. last wait end; busy inside it moves after it.
+    ws, we = _wait_region(tl, spans, end, wait_union)
+    has_wait = wait_union > 0
+    g_start, g_end, kernel_step = _gpu_interval(tl, kernels)
+    has_gpu = ~np.isnan(g_start)
+    launch = _launch_point(tl, spans, kernels, kernel_step, g_start, ws, has_gpu, start, end)
+    wait_first, c0, c1, c2 = _segments(start, end, ws, we, launch, has_gpu, has_wait)
+    del launch
+    # Busy inside the merged wait region is CPU work: it counts after the wait.
+    inner_busy = np.maximum((we - ws) - wait_union, 0.0)
+    awaited, residual = _awaited(ws, we, wait_union, has_wait, g_end, has_gpu, inner_busy)
+    fixed_wait = np.where(awaited >= 0, 0.0, wait_union)
+    del ws, we, wait_union
+    np.maximum(c2, 0.0, out=c2)
+    c2 += inner_busy
+    del inner_busy
+    gap = np.concatenate([[0.0], np.maximum(start[1:] - end[:-1], 0.0)])
+    gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
+    del g_start, g_end
+    busy_est = np.full(len(tl), np.nan)
+    if kernels is not None and "_gpu_busy_est_ms" in tl.columns:
+        busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
+                            np.nan)
+    np.maximum(c0, 0, out=c0)
+    np.maximum(c1, 0, out=c1)
+    return _Plan(gap, c0, c1, c2, wait_first, gpu_ns, has_gpu, kernels, kernel_step, busy_est, awaited,
+                 residual, fixed_wait)
+
+
+def _wait_region(tl: pd.DataFrame, spans: pd.DataFrame | None, end: np.ndarray,
+                 wait_union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merged wait region per step: first wait start .. last wait end (busy inside it moves after it);
+    both at the step's end when it did not wait."""
     ws, we = end - wait_union, end.copy()
     if spans is not None and len(spans):
         step = spans["step"].to_numpy()
@@ -240,8 +273,12 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
             ws[pos[ok]] = first.astype("float64")[ok]
             we[pos[ok]] = last.astype("float64")[ok]
     has_wait = wait_union > 0
-    ws, we = np.where(has_wait, ws, end), np.where(has_wait, we, end)
-    inner_busy = np.maximum((we - ws) - wait_union, 0.0)
+    return np.where(has_wait, ws, end), np.where(has_wait, we, end)
+
+
+def _gpu_interval(tl: pd.DataFrame, kernels: StepKernels | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step: GPU start and end (ns, NaN: none), from its kernels where recorded, else its events; and
+    whether its GPU work is replayed kernel by kernel."""
     g_start = tl["gpu_start_ns"].to_numpy(dtype="float64")
     g_end = tl["gpu_end_ns"].to_numpy(dtype="float64")
     kernel_step = np.zeros(len(tl), bool)
@@ -249,56 +286,51 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
         kernel_step = kernels.instrumented & (np.nan_to_num(kernels.kernels) > 0)
         g_start = np.where(kernel_step, kernels.first_ns, g_start)
         g_end = np.where(kernel_step, kernels.last_ns, g_end)
-    has_gpu = ~np.isnan(g_start)
-    # Launch point: recorded when the recorder gives it, else the GPU start if the GPU idled until then, and
-    # never after the step's first wait (engines launch, then wait): min(gpu start, wait start).
+    return g_start, g_end, kernel_step
+
+
+def _launch_point(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None,
+                  kernel_step: np.ndarray, g_start: np.ndarray, ws: np.ndarray, has_gpu: np.ndarray,
+                  start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Launch point: recorded when the recorder gives it, else the GPU start if the GPU idled until then, and
+    never after the step's first wait (engines launch, then wait): min(gpu start, wait start)."""
     if "launch_ns" in tl.columns:
         launch = tl["launch_ns"].to_numpy(dtype="float64")
     else:
         launch = np.fmin(np.fmin(g_start, ws), _launch_span_start(tl, spans))
     if kernels is not None:  # launch offsets of the kernel chains are relative to the first launch
         launch = np.where(kernel_step, kernels.first_launch_ns, launch)
-    launch = np.clip(np.where(has_gpu, launch, ws), start, end)
+    return np.clip(np.where(has_gpu, launch, ws), start, end)
+
+
+def _segments(start: np.ndarray, end: np.ndarray, ws: np.ndarray, we: np.ndarray, launch: np.ndarray,
+              has_gpu: np.ndarray, has_wait: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(wait_first, c0, c1, c2): whether the step waits before it launches, and its busy time before the
+    first event, between the two and after the second (c0, c1 may be negative: the caller clips them)."""
     wait_first = has_gpu & (launch > ws) & has_wait
     first = np.where(wait_first, ws, launch)
     second = np.where(wait_first, launch, ws)
     c0 = first - start
     c1 = np.where(wait_first, launch - we, second - first)
     c2 = end - np.where(wait_first, launch, we)
-    # The awaited GPU work: the latest one (stream order) that had ended by the wait end + tolerance.
+    return wait_first, c0, c1, c2
+
+
+def _awaited(ws: np.ndarray, we: np.ndarray, wait_union: np.ndarray, has_wait: np.ndarray, g_end: np.ndarray,
+             has_gpu: np.ndarray, inner_busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(awaited, residual): the row of the GPU work each wait awaits, the latest one (stream order) that had
+    ended by the wait end + tolerance (-1: none); and the wake-up residual after it."""
     rows_with_gpu = np.flatnonzero(has_gpu)
     ends_in_order = np.maximum.accumulate(g_end[rows_with_gpu]) if len(rows_with_gpu) else g_end[:0]
     awaited_by = np.where(wait_union <= SHORT_WAIT_NS, ws, we) + AWAIT_TOLERANCE_NS
     k = np.searchsorted(ends_in_order, awaited_by, side="right") - 1
+    del ends_in_order, awaited_by
     awaited = np.where(
         has_wait & (k >= 0), rows_with_gpu[np.clip(k, 0, None)] if len(rows_with_gpu) else -1, -1
-    )
+    ).astype("int64", copy=False)
     awaited_end = np.where(awaited >= 0, g_end[np.clip(awaited, 0, None)], np.nan)
     residual = np.where(awaited >= 0, np.maximum(we - np.fmax(ws, awaited_end) - inner_busy, 0.0), 0.0)
-    fixed_wait = np.where(awaited >= 0, 0.0, wait_union)
-    # Busy inside the merged wait region is CPU work: count it after the wait.
-    c2 = np.maximum(c2, 0.0) + inner_busy
-    gap = np.concatenate([[0.0], np.maximum(start[1:] - end[:-1], 0.0)])
-    gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
-    busy_est = np.full(len(tl), np.nan)
-    if kernels is not None and "_gpu_busy_est_ms" in tl.columns:
-        busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
-                            np.nan)
-    return _Plan(
-        gap,
-        np.maximum(c0, 0),
-        np.maximum(c1, 0),
-        c2,
-        wait_first,
-        gpu_ns,
-        has_gpu,
-        kernels,
-        kernel_step,
-        busy_est,
-        awaited.astype("int64"),
-        residual,
-        fixed_wait,
-    )
+    return awaited, residual
 
 
 def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarray]:
@@ -365,6 +397,7 @@ class _Pattern:
     own: np.ndarray  # the step's own GPU work, launched before the wait
     none: np.ndarray  # no GPU work
     scannable: bool  # every wait is one of those (else the loop replays)
+    all_gpu: bool  # every step launched GPU work
     neg: np.ndarray  # -inf everywhere
     zero: np.ndarray
     g1_of_g1: np.ndarray  # G1' from G2: nothing (-inf), a step with GPU work or not
@@ -384,10 +417,11 @@ def _pattern(p: _Plan) -> _Pattern:
     none = ~waits
     neg, zero = np.full(n, maxplus.NEG), np.zeros(n)
     g = p.has_gpu
-    g2 = [neg, np.where(g, zero, neg), np.where(g, neg, zero)]
+    all_gpu = bool(g.all())
+    g2 = [neg, zero, neg] if all_gpu else [neg, np.where(g, zero, neg), np.where(g, neg, zero)]
     for a in (neg, zero, *g2):
         a.flags.writeable = False
-    return _Pattern(on1, on2, own, none, bool(np.all(on1 | on2 | own | none)), neg, zero, neg, g2)
+    return _Pattern(on1, on2, own, none, bool(np.all(on1 | on2 | own | none)), all_gpu, neg, zero, neg, g2)
 
 
 def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxplus.Matrix | None:
@@ -407,7 +441,10 @@ def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxp
     t_g2 = np.where(on2, res_post, neg)
     # The GPU: a step with work pushes it on (G1' from t and G1; G2' = G1); one without keeps both.
     g = p.has_gpu
-    g1 = [np.where(g, u + k, neg), np.where(g, d, pat.zero), pat.g1_of_g1]
+    if pat.all_gpu:  # (np.where would copy every value)
+        g1 = [u + k, d, pat.g1_of_g1]
+    else:
+        g1 = [np.where(g, u + k, neg), np.where(g, d, pat.zero), pat.g1_of_g1]
     if p.wait_first.any():  # wait, then launch: the thread reaches the launch at `at` (from t, G1, G2)
         wf = p.wait_first
         at_t = np.where(none, u + p.fixed_wait + c1, u + res + c1)
