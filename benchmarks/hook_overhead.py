@@ -106,30 +106,38 @@ def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
 def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
     """Decode steps recorded in a mode's run directory, with GPU intervals and with kernel records, and what
     the kernel windows cost by the run's own account: the switches (less the collector's once-a-process
-    set-up, shown apart) plus the instrumented decode steps' excess (median inside over median plain) over
-    `hooked_ms`, the time of the mode's timed rounds. A check of the paired rounds that is free of the
-    machine's round-to-round noise, and that sees only what the windows cost."""
+    set-up, shown apart) plus the excess of the decode steps from each window's start to 24 steps after its
+    end (the sampler's closing and after-window steps) over the median other one, over `hooked_ms`, the time
+    of the mode's timed rounds. A check of the paired rounds that is free of the machine's round-to-round
+    noise, and that sees only what the windows cost."""
+    import numpy as np
+
     from overshoot.analysis.steps import joined_steps
     from overshoot.rundir.reader import load_run
 
     run = load_run(run_dir)
     steps = joined_steps(run)
-    decode = steps[steps["phase"] == "decode"]
+    decode = steps[steps["phase"] == "decode"].sort_values("start_ns")
     switch = run.spans[run.spans["label"] == "overshoot:kernel-timing"]["dur_ns"]
     sampler = next((p["kernel_timing"] for p in run.processes if p.get("kernel_timing")), None)
     setup_ms = float((sampler or {}).get("setup_ms") or 0.0)
-    inside = decode["gpu_timing"] == "kernels"
-    plain_ms = float(decode.loc[~inside, "step_ms"].median()) if (~inside).any() else float("nan")
-    # medians: a round's last step lasts until the mode's next round (the hooks are off in between)
-    excess_ms = float((decode.loc[inside, "step_ms"].median() - plain_ms) * inside.sum()) \
-        if inside.any() and (~inside).any() else 0.0
-    run_ms = hooked_ms
+    start = decode["start_ns"].to_numpy()
+    affected = np.zeros(len(decode), bool)
+    for lo, hi in run.kernel_windows[["start_ns", "end_ns"]].itertuples(index=False):
+        first, last = np.searchsorted(start, lo), np.searchsorted(start, hi)
+        affected[first:last + 24] = True
+    ms = decode["step_ms"].to_numpy()
+    plain_ms = float(np.median(ms[~affected])) if (~affected).any() else float("nan")
+    # a round's last step lasts until the mode's next round (the hooks are off in between): capped
+    excess_ms = float(np.minimum(ms[affected], 20 * plain_ms).sum() - affected.sum() * plain_ms) \
+        if affected.any() and (~affected).any() else 0.0
     switch_ms = float(switch.sum() / 1e6)
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
-            "with_kernels": int(inside.sum()), "switch_ms": switch_ms, "switches": int(len(switch)),
-            "setup_ms": setup_ms, "windows_excess_ms": excess_ms, "run_ms": run_ms,
-            "accounted": (switch_ms - setup_ms + excess_ms) / run_ms if run_ms > 0 else None}
+            "with_kernels": int((decode["gpu_timing"] == "kernels").sum()), "switch_ms": switch_ms,
+            "switches": int(len(switch)), "setup_ms": setup_ms, "windows_excess_ms": excess_ms,
+            "run_ms": hooked_ms,
+            "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 
 def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> dict:

@@ -174,6 +174,36 @@ def test_the_collector_set_up_does_not_space_windows_as_if_every_switch_cost_it(
     assert 100 <= info["setup_ms"] < 150 and info["switch_ms"] >= info["setup_ms"]
 
 
+class SlowAfterWindow(VirtualCollector):
+    """Slows the host for a few steps after each window, as parsing a window's records did on the H200."""
+
+    def __init__(self):
+        super().__init__()
+        self.slow_launches = 0
+
+    def disable(self) -> None:
+        super().disable()
+        self.slow_launches = 4 * KERNELS  # four steps of 4 x 0.5 ms: 8 ms a window
+
+    def launch(self, gpu_free: int, kernel_ns: int = KERNEL_NS) -> int:
+        if self.slow_launches > 0:
+            self.slow_launches -= 1
+            spin(500_000)
+        return super().launch(gpu_free, kernel_ns)
+
+
+def test_the_steps_slowed_after_a_window_count_in_its_cost(tmp_path):
+    collector, run = _run(tmp_path, "sampled", steps=700, budget=0.5, collector=SlowAfterWindow())
+    windows = run.kernel_windows.sort_values("start_ns")
+    steps = run.steps.sort_values("start_ns")
+    plain_ns = float((steps["end_ns"] - steps["start_ns"]).median())
+    gap_steps = [int(((steps["start_ns"] > a) & (steps["start_ns"] < b)).sum())
+                 for a, b in zip(windows["end_ns"][:-1], windows["start_ns"][1:], strict=True)]
+    # 8 ms after each window over 50% of the time between windows: at least 8e6 / (0.5 x step) steps apart
+    # (the first gap is the minimum: before it no plain step was measured)
+    assert len(gap_steps) >= 2 and min(gap_steps[1:]) >= 0.8 * 8e6 / (0.5 * plain_ns), (gap_steps, plain_ns)
+
+
 class InFlightAtSwitchOff(VirtualCollector):
     """CUPTI as seen on the H200: a kernel still running when its kind is switched off is handed over at a
     later collect with that collect's time as its end; kernels still running stay pending (forced at the

@@ -110,6 +110,11 @@ class KernelSampler:
         self._last_t = 0
         self._plain = deque(maxlen=window_steps)  # durations of the last plain steps
         self._inside: list[int] = []
+        # Steps from the window's close until `window_steps` plain steps after the collector went off: on
+        # the H200 they ran 2-6 ms slower each in an eager engine (the drain thread parsing the window's
+        # records holds the GIL), a cost of the window as much as its switches.
+        self._after: list[int] = []
+        self._after_left = 0
         self._switch_ns = 0  # time the last window's two switches took (between steps, on the engine thread)
         self.switch_ns_total = 0  # every switch, the first enable's set-up included
         self.setup_ns = 0  # the collector's set-up inside its first enable (once a process)
@@ -126,13 +131,15 @@ class KernelSampler:
     def at_step(self, t: int, batch_size: int | None, phase: str | None) -> int:
         """Called by step_begin at `t`; returns the time the step starts (after any switch)."""
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
-            self._last_t = t  # a step still under the collector is neither plain nor inside a window
+            if self._last_t:  # a step still under the collector is neither plain nor inside a window
+                self._after.append(t - self._last_t)
+            self._last_t = t
             self._closing_steps += 1
             if self._closing_steps < self.close_steps and not self._fence_done():
                 return t
             return self._switch_off(t)
         if self._last_t:
-            (self._inside.append if self._on else self._plain.append)(t - self._last_t)
+            self._count_step(t - self._last_t)
         self._last_t = t
         if self._on:
             self._steps_in_window += 1
@@ -148,6 +155,17 @@ class KernelSampler:
             self._steps_in_window = 1
             return self._open_window(t)
         return t
+
+    def _count_step(self, duration: int) -> None:
+        if self._on:
+            self._inside.append(duration)
+        elif self._after_left > 0:  # just after a window: its records are being parsed, a cost of it
+            self._after.append(duration)
+            self._after_left -= 1
+            if self._after_left == 0:
+                self._gap = self._next_gap()
+        else:
+            self._plain.append(duration)
 
     def pause(self) -> None:
         """Collector off while the host runs work it does not record (no steps: the unhooked rounds of
@@ -176,7 +194,7 @@ class KernelSampler:
         self._window_start = t_after
         self._spans.append([t_after, math.inf, math.inf])
         self.windows += 1
-        self._inside = []
+        self._inside, self._after, self._after_left = [], [], 0
         self._switch_ns = max(0, t_after - t - setup)
         return self._after_switch(t, t_after)
 
@@ -198,7 +216,8 @@ class KernelSampler:
         t_after = perf_counter_ns()
         self._spans[-1][2] = t  # records that end later are not trusted: the collector was going off
         self._switch_ns += t_after - t
-        self._gap = self._next_gap()  # both switches known now
+        self._gap = self._next_gap()  # both switches known now; again once the steps after are
+        self._after_left = self.window_steps
         self._switch_offs += 1
         self._wake.set()
         return self._after_switch(t, t_after)
@@ -236,9 +255,9 @@ class KernelSampler:
             return True
 
     def _next_gap(self) -> int:
-        """Plain steps before the next window, so that what a window cost (its steps' slowdown and its two
-        switches, measured) is `budget` of the time until the next one; at least min_gap. Medians: one
-        preempted step must not move the spacing."""
+        """Plain steps before the next window, so that what a window cost (its steps' slowdown, its two
+        switches and the excess of the steps after it, measured) is `budget` of the time until the next one;
+        at least min_gap. Medians inside: one preempted step must not move the spacing."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
         # Before any plain step (the first window opens at once) the steps inside stand for plain ones.
         baseline = list(self._plain) or inside
@@ -249,7 +268,8 @@ class KernelSampler:
             return self.min_gap
         ratio = max(statistics.median(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
         self.cost_ratio = ratio
-        cost_ns = len(inside) * ratio * plain + self._switch_ns
+        after_ns = max(0.0, sum(self._after) - len(self._after) * plain)
+        cost_ns = len(inside) * ratio * plain + self._switch_ns + after_ns
         return max(self.min_gap, int(cost_ns / (self.budget * plain)))
 
     # ---- drain thread ----
