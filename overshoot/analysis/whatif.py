@@ -335,7 +335,7 @@ def _awaited(ws: np.ndarray, we: np.ndarray, wait_union: np.ndarray, has_wait: n
 
 def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarray]:
     """(D, K) per step: its GPU work ends at max(previous GPU end + D, launch' + K) (module docstring)."""
-    block = p.gpu_ns * gpu_scale
+    block = _scaled(p.gpu_ns, gpu_scale)
     d, k = block, block
     estimate = ~np.isnan(p.busy_est)
     if estimate.any():
@@ -347,6 +347,11 @@ def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarra
         d = np.where(p.kernel_step, p.kernels.chain_total * gpu_scale, d)
         k = np.where(p.kernel_step, chain_k, k)
     return d, k
+
+
+def _scaled(values: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
+    """values x scale; unscaled, the values themselves (read only here: x 1.0 changes no float)."""
+    return values if np.ndim(scale) == 0 and scale == 1.0 else values * scale
 
 
 def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
@@ -431,8 +436,8 @@ def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxp
     if not pat.scannable:
         return None
     on1, on2, own, none, neg = pat.on1, pat.on2, pat.own, pat.none, pat.neg
-    u = p.gap + p.c0 * cpu_scale
-    c1, post, res = p.c1 * cpu_scale, p.c2 * cpu_scale, p.residual
+    u = p.gap + _scaled(p.c0, cpu_scale)
+    c1, post, res = _scaled(p.c1, cpu_scale), _scaled(p.c2, cpu_scale), p.residual
     uc1, res_post = u + c1, res + post  # (sums in the order they always had: the same figures to the bit)
     # Launch first (the usual order): the thread's end from t, G1, G2.
     t_t = np.where(none, uc1 + p.fixed_wait + post,
