@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from pandas.core.groupby import DataFrameGroupBy
+from pandas.core.groupby import SeriesGroupBy
 
-from overshoot.analysis.frames import per_step, worker_rows
+from overshoot.analysis.frames import per_step, positions, worker_rows
 from overshoot.analysis.kernels import SOURCES, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
@@ -121,7 +121,7 @@ def _last_wait_end(df: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:
         return out
     end = spans["start_ns"].to_numpy()[is_wait] + spans["dur_ns"].to_numpy()[is_wait]
     steps, last = per_step(step[is_wait], end, "max")
-    pos = pd.Index(df["step"].to_numpy()).get_indexer(steps)
+    pos = positions(df["step"].to_numpy(), steps)
     out[pos[pos >= 0]] = last.astype("float64")[pos >= 0]
     return out
 
@@ -270,7 +270,7 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
         out.insert(len(keys), "load_window", _group_windows(df, out, total, count))
     out["steps"] = count
     out["step_ms_median"] = median["step_ms"].to_numpy()
-    out["step_ms_p90"] = by_group["step_ms"].quantile(0.9).to_numpy()
+    out["step_ms_p90"] = by_group.quantile(0.9).to_numpy()
     out["busy_ms_median"] = median["busy_ms"].to_numpy()
     out["wait_ms_median"] = median["wait_ms"].to_numpy()
     out["gpu_ms_median"] = median["gpu_ms"].to_numpy()
@@ -323,17 +323,28 @@ def _source_codes(column: pd.Series) -> np.ndarray:
 
 
 def _medians(df: pd.DataFrame, measured: np.ndarray, group_id: np.ndarray,
-             n_groups: int) -> tuple[pd.DataFrame, DataFrameGroupBy]:
+             n_groups: int) -> tuple[pd.DataFrame, SeriesGroupBy]:
     """Per group (rows in group order): the median of each figure, NaN ignored (kernel figures: of the
-    measured steps only), and the group-by for other statistics. A column without any value has a NaN
-    median in every group: it is not sorted through."""
-    values = {}
+    measured steps only), and the group-by of step_ms for other statistics. Each group's values are cut
+    from one stable sort by group and partitioned (np.median: the middle value, or the mean of the middle
+    two, as pandas' group median gives); a figure without any value is not sorted through."""
+    key = group_id.astype("int16") if n_groups < 2**15 else group_id  # (small ints sort by radix)
+    order = np.argsort(key, kind="stable")
+    bounds = np.searchsorted(group_id[order], np.arange(n_groups + 1))
+    median = pd.DataFrame(np.nan, index=range(n_groups), columns=list(_MEDIAN_COLUMNS))
+    step = df["step_ms"].to_numpy(dtype="float64")
     for c in _MEDIAN_COLUMNS:
         v = df[c].to_numpy(dtype="float64")
-        values[c] = np.where(measured, v, np.nan) if c in _MEASURED_ONLY else v
-    known = [c for c, v in values.items() if c == "step_ms" or not np.isnan(v).all()]
-    by_group = pd.DataFrame({c: values[c] for c in known}).groupby(group_id, sort=True)
-    return by_group.median().reindex(columns=list(_MEDIAN_COLUMNS)), by_group
+        v = np.where(measured, v, np.nan) if c in _MEASURED_ONLY else v
+        if np.isnan(v).all():
+            continue
+        v = v[order]
+        for g in range(n_groups):
+            part = v[bounds[g]:bounds[g + 1]]
+            part = part[~np.isnan(part)]
+            if len(part):
+                median.iat[g, median.columns.get_loc(c)] = np.median(part)
+    return median, pd.Series(step).groupby(group_id, sort=True)
 
 
 _MEDIAN_COLUMNS = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "kernels", "launch_ms")

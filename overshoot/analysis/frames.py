@@ -56,6 +56,23 @@ def contains(column: pd.Series, text: str) -> np.ndarray:
     return np.append(hit.to_numpy(dtype=bool), False)[codes]  # code -1 (null): the appended False
 
 
+def positions(values: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """pd.Index(values).get_indexer(targets) (-1: not found). Integer values in strictly increasing order
+    (the steps of a timeline) take a binary search instead of a hash table over a million steps."""
+    values, targets = np.asarray(values), np.asarray(targets)
+    if len(values) == len(targets) and np.array_equal(values, targets) and _increasing(values):
+        return np.arange(len(values))  # (every step has a value, in order: the usual case)
+    if (len(values) and values.dtype.kind in "iu" and targets.dtype.kind in "iu"
+            and _increasing(values)):
+        pos = np.minimum(np.searchsorted(values, targets), len(values) - 1)
+        return np.where(values[pos] == targets, pos, -1)
+    return pd.Index(values).get_indexer(targets)
+
+
+def _increasing(values: np.ndarray) -> bool:
+    return bool(np.all(values[1:] > values[:-1]))
+
+
 def per_step(step: np.ndarray, values: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
     """Distinct steps (ascending) and the smallest (`how` "min") or largest ("max") value of each. Spans are
     recorded in time order, so their steps normally come in runs: one reduceat over the runs instead of a

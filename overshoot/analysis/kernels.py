@@ -191,8 +191,12 @@ def primary_row(df: pd.DataFrame) -> int:
     among the timelines of no rank when there are others (a multi-rank engine's workers step too:
     analysis/ranks.py)."""
     code = df["_timeline"].to_numpy()
-    _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
-    worker = worker_rows(df)[first_row]
+    if len(code) and np.all(code[1:] >= code[:-1]):  # rows by timeline (the joined steps): no sort
+        first_row = np.flatnonzero(np.diff(code, prepend=code[:1] - 1))
+        counts = np.diff(np.append(first_row, len(code)))
+    else:
+        _, first_row, counts = np.unique(code, return_index=True, return_counts=True)
+    worker = worker_rows(df.iloc[first_row])
     if worker.any() and not worker.all():
         counts = np.where(worker, -1, counts)
     return int(first_row[np.lexsort((df["start_ns"].to_numpy()[first_row], -counts))[0]])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import as_str, str_column, worker_rows
+from overshoot.analysis.frames import as_str, positions, str_column, worker_rows
 from overshoot.analysis.kernels import attach_gpu_truth
 
 STEP_COLUMNS = [
@@ -207,10 +207,12 @@ def _gpu_columns(run, steps: pd.DataFrame, code: np.ndarray, pids: pd.Index, thr
         ends = np.concatenate([[np.nan], np.sort(idle_end[idle_code == code[lo]])])  # [0]: "no idle before"
         last_idle = ends[np.searchsorted(ends[1:], s, side="right")]
         gap = s - np.where(np.isnan(prev_end), np.nan, np.fmax(prev_end, last_idle))
-        step_index = pd.Index(steps["step"].to_numpy()[lo:hi])
-        if not step_index.is_unique:
-            step_index = step_index.where(~step_index.duplicated(), -(2**62))
-        pos = step_index.get_indexer(g_step)
+        step_values = steps["step"].to_numpy()[lo:hi]
+        if not np.all(step_values[1:] > step_values[:-1]):  # (increasing: unique, no hash table to check)
+            step_index = pd.Index(step_values)
+            if not step_index.is_unique:
+                step_values = step_index.where(~step_index.duplicated(), -(2**62)).to_numpy()
+        pos = positions(step_values, g_step)
         if len(pos) == hi - lo and np.array_equal(pos, np.arange(hi - lo)):
             rows: np.ndarray | slice = slice(lo, hi)  # every step has GPU work, same order: no scatter
             ok: np.ndarray | slice = slice(None)

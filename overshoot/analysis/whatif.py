@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis import maxplus
-from overshoot.analysis.frames import contains, per_step
+from overshoot.analysis.frames import contains, per_step, positions
 from overshoot.analysis.kernels import StepKernels
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
@@ -268,7 +268,7 @@ def _wait_region(tl: pd.DataFrame, spans: pd.DataFrame | None, end: np.ndarray,
             start_ns = spans["start_ns"].to_numpy()[is_wait]
             steps, first = per_step(step[is_wait], start_ns, "min")
             _, last = per_step(step[is_wait], start_ns + spans["dur_ns"].to_numpy()[is_wait], "max")
-            pos = pd.Index(tl["step"]).get_indexer(steps)
+            pos = positions(tl["step"].to_numpy(), steps)
             ok = pos >= 0
             ws[pos[ok]] = first.astype("float64")[ok]
             we[pos[ok]] = last.astype("float64")[ok]
@@ -364,7 +364,7 @@ def _launch_span_start(tl: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarr
     if not launches.any():
         return out
     steps, first = per_step(spans["step"].to_numpy()[launches], spans["start_ns"].to_numpy()[launches], "min")
-    pos = pd.Index(tl["step"]).get_indexer(steps)
+    pos = positions(tl["step"].to_numpy(), steps)
     out[pos[pos >= 0]] = first.astype("float64")[pos >= 0]
     return out
 
