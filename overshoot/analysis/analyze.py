@@ -174,7 +174,9 @@ def summarize(
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
     ids = _group_ids(kept, keys) if len(kept) else None  # the what-ifs' groups and the table's
     group_of = None
-    if ids is not None and what_ifs:
+    if ids is not None and what_ifs and len(kept) == len(timeline):
+        group_of = ids[0]  # every step kept, in the timeline's order
+    elif ids is not None and what_ifs:
         group_of = np.full(len(timeline), -1, "int64")
         group_of[timeline.index.get_indexer(kept.index)] = ids[0]
     proj = whatif.project(timeline, spans, what_ifs, mode=guess.mode, kernels=step_kernels, group_of=group_of)
