@@ -150,9 +150,9 @@ def main() -> None:
           f"{report / REPORT_GOAL_S:>8.2f}   (overshoot report's work)")
     print(f"{'peak RSS incl. what-ifs':<34}{rss:>9.0f} MB{GOAL_MB:>7.0f} MB{rss / GOAL_MB:>8.2f}")
     print(f"({r['steps']:,} steps, {r['spans']:,} spans, {r['groups']} groups)")
-    print("note: the what-ifs replay the timeline as a max-plus scan (analysis/maxplus.py), plus one")
-    print("reduction per group and what-if for the group's own figure (what the timeline gains when only")
-    print("its steps change).")
+    print("note: the what-ifs replay the timeline as a max-plus scan (analysis/maxplus.py); a group's own")
+    print("figure (what the timeline gains when only its steps change) recomposes only the scan's reduction")
+    print("nodes at the edges of the group's runs of steps.")
 
 
 if __name__ == "__main__":
