@@ -56,8 +56,9 @@ def test_a_mix_recomposes_only_the_edges_to_the_same_bit(seed):
     assert not kept_a.whole and not kept_b.whole
     assert side_b.kept_for(picks, side_a=False).whole  # a pick that changes side every few steps
     for k, pick in enumerate(picks):
-        mixed = [[np.where(pick, x, y) for x, y in zip(ra, rb, strict=True)]
-                 for ra, rb in zip(a, b, strict=True)]
+        mixed = [
+            [np.where(pick, x, y) for x, y in zip(ra, rb, strict=True)] for ra, rb in zip(a, b, strict=True)
+        ]
         expected = maxplus.final_time(mixed)
         assert maxplus.mixed_final_time(side_a, side_b, pick) == expected
         if k < 2:
