@@ -56,6 +56,44 @@ def test_round_trip_keeps_values_and_types(tmp_path):
     assert run.processes[0]["chunks"] >= 5
 
 
+def test_words_are_dictionary_encoded_and_plain_string_spools_still_read(tmp_path):
+    import pyarrow as pa
+
+    write_steps(tmp_path / "new", 12, flush_steps=5)
+    path = steps_file(tmp_path / "new")
+    assert pa.types.is_dictionary(pa.ipc.open_stream(pa.memory_map(str(path))).schema.field("phase").type)
+    # the same run as the spool was written before: the words as plain strings
+    old = tmp_path / "old"
+    (old / "spool").mkdir(parents=True)
+    for file in (tmp_path / "new" / "spool").iterdir():
+        if file.suffix != ".arrow":
+            (old / "spool" / file.name).write_bytes(file.read_bytes())
+            continue
+        table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+        plain = table.cast(pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type)
+                                               else f.type) for f in table.schema]))
+        with pa.OSFile(str(old / "spool" / file.name), "wb") as sink:
+            with pa.ipc.new_stream(sink, plain.schema) as writer:
+                writer.write_table(plain)
+    (old / "meta.json").write_bytes((tmp_path / "new" / "meta.json").read_bytes())
+    a, b = load_run(tmp_path / "new"), load_run(old)
+    assert a.warnings == b.warnings == []
+    for name in ("steps", "spans", "gpu"):
+        pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name))
+    assert str(a.steps["phase"].dtype) == "category" and str(a.spans["label"].dtype) == "category"
+    # one run dir, two recorders, one of each format: read together
+    mixed = tmp_path / "mixed"
+    (mixed / "spool").mkdir(parents=True)
+    for source, pid in ((tmp_path / "new", os.getpid()), (old, os.getpid() + 1)):
+        for file in (source / "spool").iterdir():
+            name = f"{pid}-{file.name.split('-', 1)[1]}"
+            (mixed / "spool" / name).write_bytes(file.read_bytes())
+    (mixed / "meta.json").write_bytes((tmp_path / "new" / "meta.json").read_bytes())
+    both = load_run(mixed)
+    assert both.warnings == [] and len(both.steps) == 24
+    assert both.steps.groupby("pid")["phase"].apply(list).map(tuple).nunique() == 1
+
+
 def test_truncated_last_chunk_keeps_earlier_chunks(tmp_path):
     write_steps(tmp_path, 20, flush_steps=5)  # 4 chunks of 5 steps
     path = steps_file(tmp_path)

@@ -17,6 +17,7 @@ from overshoot.rundir.spool import (
     KERNELS_SCHEMA,
     SPANS_SCHEMA,
     STEPS_SCHEMA,
+    WORD,
     SpoolWriter,
     safe_tag,
     write_json_atomic,
@@ -71,6 +72,11 @@ def _phase_column(phase: list) -> pa.Array:
         except BUILD_ERRORS:
             pass
     return column([p if isinstance(p, str) else "unknown" for p in phase], pa.string(), nullable=False)
+
+
+def _word(array: pa.Array) -> pa.Array:
+    """A string column as the spool stores it: dictionary-encoded (spool.WORD)."""
+    return array.dictionary_encode().cast(WORD)
 
 
 def _ints(values: list) -> pa.Array:
@@ -257,8 +263,8 @@ class RecorderIO:
                 self.writer.write("steps", self._steps_batch(*steps))
             if spans[0]:
                 self.writer.write("spans", pa.record_batch(
-                    [_ints(spans[0]), column(spans[1], pa.string(), nullable=False),
-                     _string_column(spans[2]), _ints(spans[3]), _ints(spans[4])], schema=SPANS_SCHEMA))
+                    [_ints(spans[0]), _word(column(spans[1], pa.string(), nullable=False)),
+                     _word(_string_column(spans[2])), _ints(spans[3]), _ints(spans[4])], schema=SPANS_SCHEMA))
             if gpu[0]:
                 gpu_columns = [_ints(values) for values in gpu]
                 self.writer.write("gpu", pa.record_batch(gpu_columns, schema=GPU_SCHEMA))
@@ -280,7 +286,7 @@ class RecorderIO:
         columns = [
             _ints(step), _ints(start), _ints(end), _ints(wait),
             _int_array(batch, pa.int32()), _int_array(tokens, pa.int32()),
-            _phase_column(phase),
+            _word(_phase_column(phase)),
         ]
         fields = list(STEPS_SCHEMA)
         for f in facts:  # register new fact names in order of first appearance
