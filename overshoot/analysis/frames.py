@@ -73,6 +73,14 @@ def _increasing(values: np.ndarray) -> bool:
     return bool(np.all(values[1:] > values[:-1]))
 
 
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """First index of every run of equal consecutive values (rows sorted by a key come in such runs)."""
+    values = np.asarray(values)
+    if len(values) == 0:
+        return np.zeros(0, "int64")
+    return np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+
+
 def per_step(step: np.ndarray, values: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
     """Distinct steps (ascending) and the smallest (`how` "min") or largest ("max") value of each. Spans are
     recorded in time order, so their steps normally come in runs: one reduceat over the runs instead of a
@@ -80,7 +88,7 @@ def per_step(step: np.ndarray, values: np.ndarray, how: str) -> tuple[np.ndarray
     if len(step) and np.all(step[1:] > step[:-1]):  # one value a step
         return step, values
     if len(step) and np.all(step[1:] >= step[:-1]):
-        starts = np.flatnonzero(np.diff(step, prepend=step[:1] - 1))
+        starts = run_starts(step)
         ufunc = np.minimum if how == "min" else np.maximum
         return step[starts], ufunc.reduceat(values, starts)
     reduced = pd.Series(values).groupby(step).agg(how)

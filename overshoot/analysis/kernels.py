@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import str_column, worker_rows
+from overshoot.analysis.frames import run_starts, str_column, worker_rows
 
 # Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
 SOURCES = ("kernels", "estimate", "events", "none")
@@ -192,7 +192,7 @@ def primary_row(df: pd.DataFrame) -> int:
     analysis/ranks.py)."""
     code = df["_timeline"].to_numpy()
     if len(code) and np.all(code[1:] >= code[:-1]):  # rows by timeline (the joined steps): no sort
-        first_row = np.flatnonzero(np.diff(code, prepend=code[:1] - 1))
+        first_row = run_starts(code)
         counts = np.diff(np.append(first_row, len(code)))
     else:
         _, first_row, counts = np.unique(code, return_index=True, return_counts=True)

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis import maxplus
-from overshoot.analysis.frames import contains, per_step, positions
+from overshoot.analysis.frames import contains, per_step, positions, run_starts
 from overshoot.analysis.kernels import StepKernels
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
@@ -149,7 +149,7 @@ def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.nd
             out[g] = float(_replay(plan, cpu_scale=c, gpu_scale=u).sum() - baseline.sum())
         return out
     if _fold_runs(group_of):
-        runs = np.flatnonzero(np.diff(group_of, prepend=group_of[0] - 1) != 0)
+        runs = run_starts(group_of)
         changed = maxplus.reduction_levels(maxplus.segment_products(changed[0], group_of))
         same = maxplus.reduction_levels(maxplus.segment_products(_whole(same)[0], group_of))
         group_of = group_of[runs]
@@ -166,8 +166,7 @@ def _fold_runs(group_of: np.ndarray) -> bool:
     run is folded into one matrix, with and without the change, and the mixes take runs rather than steps.
     A few groups mix steps: only the reduction's nodes at the edges of their runs are composed again."""
     n_groups = int(group_of.max(initial=-1)) + 1
-    runs = np.count_nonzero(np.diff(group_of, prepend=group_of[0] - 1) != 0) if len(group_of) else 0
-    return n_groups > 6 and runs * 4 < len(group_of)
+    return n_groups > 6 and len(run_starts(group_of)) * 4 < len(group_of)
 
 
 def _reduction(levels: list[maxplus.Matrix] | maxplus.Reduction) -> maxplus.Reduction:
