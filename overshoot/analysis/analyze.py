@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 from pandas.core.groupby import SeriesGroupBy
 
-from overshoot.analysis.frames import per_step, positions, worker_rows
+from overshoot.analysis.frames import codes_and_names, per_step, positions, worker_rows
 from overshoot.analysis.kernels import SOURCES, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
@@ -319,8 +319,8 @@ _SOURCES = ("estimate", "kernels", "events")
 def _source_codes(column: pd.Series) -> np.ndarray:
     """Per row: the index of its gpu_timing value in SOURCES (-1: none of them), found once per distinct
     value rather than through a Python string per row."""
-    codes, uniques = pd.factorize(column)
-    lookup = [SOURCES.index(u) if u in SOURCES else -1 for u in uniques]
+    codes, names = codes_and_names(column)
+    lookup = [SOURCES.index(u) if u in SOURCES else -1 for u in names]
     return np.array([*lookup, -1], "int8")[codes]  # code -1 (null): the appended -1
 
 

@@ -141,11 +141,9 @@ def _group_changes(plan: _Plan, w: WhatIf, group_of: np.ndarray, baseline: np.nd
     changed, same = levels or (_levels(plan, cpu, gpu), _levels(plan, 1.0, 1.0))
     out = np.zeros(n_groups)
     if changed is None or same is None:  # the loop: a full replay a group
-        scale = 1.0 + w.change
         for g in range(n_groups):
-            mine = np.where(group_of == g, scale, 1.0)
-            ones = np.ones(len(mine))
-            c, u = (mine, ones) if w.target == "cpu" else (ones, mine)
+            mine = group_of == g
+            c, u = np.where(mine, cpu, 1.0), np.where(mine, gpu, 1.0)
             out[g] = float(_replay(plan, cpu_scale=c, gpu_scale=u).sum() - baseline.sum())
         return out
     if _fold_runs(group_of):
@@ -402,9 +400,8 @@ class _Pattern:
     none: np.ndarray  # no GPU work
     scannable: bool  # every wait is one of those (else the loop replays)
     all_gpu: bool  # every step launched GPU work
-    neg: np.ndarray  # -inf everywhere
+    neg: np.ndarray  # -inf everywhere (also G1' from G2: nothing, a step with GPU work or not)
     zero: np.ndarray
-    g1_of_g1: np.ndarray  # G1' from G2: nothing (-inf), a step with GPU work or not
     g2: list[np.ndarray]  # G2' from (t, G1, G2): G1 after a step with GPU work, else G2
 
 
@@ -425,7 +422,7 @@ def _pattern(p: _Plan) -> _Pattern:
     g2 = [neg, zero, neg] if all_gpu else [neg, np.where(g, zero, neg), np.where(g, neg, zero)]
     for a in (neg, zero, *g2):
         a.flags.writeable = False
-    return _Pattern(on1, on2, own, none, bool(np.all(on1 | on2 | own | none)), all_gpu, neg, zero, neg, g2)
+    return _Pattern(on1, on2, own, none, bool(np.all(on1 | on2 | own | none)), all_gpu, neg, zero, g2)
 
 
 def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxplus.Matrix | None:
@@ -446,9 +443,9 @@ def _step_matrices(p: _Plan, d: np.ndarray, k: np.ndarray, *, cpu_scale) -> maxp
     # The GPU: a step with work pushes it on (G1' from t and G1; G2' = G1); one without keeps both.
     g = p.has_gpu
     if pat.all_gpu:  # (np.where would copy every value)
-        g1 = [u + k, d, pat.g1_of_g1]
+        g1 = [u + k, d, neg]
     else:
-        g1 = [np.where(g, u + k, neg), np.where(g, d, pat.zero), pat.g1_of_g1]
+        g1 = [np.where(g, u + k, neg), np.where(g, d, pat.zero), neg]
     if p.wait_first.any():  # wait, then launch: the thread reaches the launch at `at` (from t, G1, G2)
         wf = p.wait_first
         at_t = np.where(none, u + p.fixed_wait + c1, u + res + c1)

@@ -287,7 +287,7 @@ class KernelSampler:
             # Between windows the collector is off and has nothing left to hand over: no flush, no work
             # on this thread that could take the GIL from the engine thread.
             if self._on or self._closing is not None or after_off > 0:
-                after_off -= 1
+                after_off = max(after_off - 1, 0)
                 self._deliver(final=False)
 
     def _deliver(self, *, final: bool) -> None:

@@ -251,12 +251,8 @@ def _repeat_tag(tag: str, n: int) -> pa.DictionaryArray:
 
 
 def _dictionary(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A string (or dictionary) column as one contiguous dictionary chunk in fresh memory, its indices the
-    smallest integer type that holds them; any other column as it is."""
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = pc.dictionary_encode(column)
-    elif not pa.types.is_dictionary(column.type):
-        return column
+    """A dictionary column (read_table encodes plain strings per file) as one contiguous dictionary chunk in
+    fresh memory, its indices the smallest integer type that holds them."""
     array = column.unify_dictionaries().combine_chunks() if column.num_chunks else column.combine_chunks()
     size = len(array.dictionary)
     index = pa.int8() if size <= 127 else pa.int16() if size <= 32767 else pa.int32()
