@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 CONFIGS = {  # name: (label, reference_engine serve flags)
     "eager-torch": ("no graphs, torch kernels", ["--graph", "eager", "--kernels", "torch"]),
     # A launch per layer, as in the case study (and as measured in docs/benchmarks.md): with every layer in
@@ -103,7 +104,6 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
 def plain_decode_step_mean(run_dir: Path) -> float | None:
     """Mean step of the decode steps at one request that ran without the collector (the steps whose time
     overshoot's GPU idle share is taken over)."""
-    sys.path.insert(0, str(ROOT))
     from overshoot.analysis.analyze import summarize
     from overshoot.rundir.reader import load_run
 
