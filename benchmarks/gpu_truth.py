@@ -108,8 +108,15 @@ def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, g
         rec.step_end()
 
 
-def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str, scale_gpu: float = 1.0,
-             scale_cpu: float = 1.0) -> dict:
+def run_case(rec, case: str, mode: str, steps: int, cycles: float, *, gpu: float = 1.0,
+             cpu: float = 1.0) -> None:
+    """`steps` steps of a case's loop, its kernels scaled by `gpu` and its CPU spins by `cpu`."""
+    p = CASES[case]
+    engine_loop(rec, mode=mode, steps=steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * gpu,
+                gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu, cycles=cycles)
+
+
+def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> dict:
     """One recorded run; overshoot's figures for its steps (the first 20 dropped as warm-up)."""
     from overshoot import Recorder
     from overshoot.analysis.analyze import summarize
@@ -119,15 +126,13 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str, scal
     p = CASES[case]
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-truth-{case}-{mode}-"))
     rec = Recorder(run_dir, engine=f"synthetic-{mode}", gpu_timing=gpu_timing, cuda=True)
-    engine_loop(rec, mode=mode, steps=args.steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * scale_gpu,
-                gap_us=p["gap_us"] * scale_cpu, pre_us=p["pre_us"] * scale_cpu,
-                post_us=p["post_us"] * scale_cpu, cycles=cycles)
+    run_case(rec, case, mode, args.steps, cycles)
     rec.close()
     run = load_run(run_dir)
     # The rerun shortens the spins by 10%, not the launch calls: the CPU what-if that matches it shortens the
     # CPU work by 10% x (spin / CPU busy) of this run.
     busy_ms = float(summarize(run, warmup_steps=20, mode=mode).groups.iloc[0]["busy_ms_median"])
-    spin_ms = (p["pre_us"] + p["kernels"] * p["gap_us"] + p["post_us"]) * scale_cpu / 1e3
+    spin_ms = (p["pre_us"] + p["kernels"] * p["gap_us"] + p["post_us"]) / 1e3
     cpu_share = min(spin_ms / busy_ms, 1.0)
     what_ifs = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10 * cpu_share)]
     summary = summarize(run, warmup_steps=20, mode=mode, what_ifs=what_ifs)
@@ -149,10 +154,37 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str, scal
         "kernel_steps": int(g["kernel_steps"]),
         "steps": int(g["steps"]),
         # truth from the settings, per step of this run: the set kernel time over its own step time
-        "set_idle_pct": 100 * (1 - p["kernels"] * p["kernel_us"] * scale_gpu / 1e3 / steps["step_ms"]).mean(),
+        "set_idle_pct": 100 * (1 - p["kernels"] * p["kernel_us"] / 1e3 / steps["step_ms"]).mean(),
         "set_cpu_bound_pct": 100 * float(
-            ((1 - p["kernels"] * p["kernel_us"] * scale_gpu / 1e3 / steps["step_ms"]) > 0.05).mean()),
+            ((1 - p["kernels"] * p["kernel_us"] / 1e3 / steps["step_ms"]) > 0.05).mean()),
     }
+
+
+def reruns(case: str, mode: str, args, cycles: float, *, chunk: int = 25) -> dict[str, float]:
+    """Median step (ms) of the plain loop and of its reruns with kernels 10% shorter and with the CPU's
+    spins 10% shorter, each recorded with events. The three run in alternating chunks of `chunk` steps
+    whose order rotates, so that the machine's drift over the minute (several % on a busy-spinning loop)
+    falls on all three alike instead of on whichever ran last."""
+    from overshoot import Recorder
+    from overshoot.analysis.analyze import summarize
+    from overshoot.rundir.reader import load_run
+
+    scales = {"plain": (1.0, 1.0), "gpu": (0.9, 1.0), "cpu": (1.0, 0.9)}
+    root = Path(tempfile.mkdtemp(prefix=f"gpu-truth-reruns-{case}-{mode}-"))
+    recs = {name: Recorder(root / name, engine=f"synthetic-{mode}", gpu_timing="events", cuda=True)
+            for name in scales}
+    names = list(scales)
+    for i in range(max(1, args.steps // chunk)):
+        for name in names[i % 3:] + names[:i % 3]:
+            gpu, cpu = scales[name]
+            run_case(recs[name], case, mode, chunk, cycles, gpu=gpu, cpu=cpu)
+    out = {}
+    for name, rec in recs.items():
+        rec.close()
+        # the first step of each chunk waits on nothing (async): medians, and the first 20 steps dropped
+        group = summarize(load_run(root / name), warmup_steps=20, mode=mode).groups.iloc[0]
+        out[name] = float(group["step_ms_median"])
+    return out
 
 
 def profiled(case: str, mode: str, steps: int, cycles: float) -> dict:
@@ -211,9 +243,8 @@ def synthetic(args) -> list[dict]:
     for case in CASES:
         for mode in ("sync", "async"):
             base = recorded(case, mode, args, cycles, gpu_timing="kernels")
-            gpu = recorded(case, mode, args, cycles, gpu_timing="events", scale_gpu=0.9)
-            cpu = recorded(case, mode, args, cycles, gpu_timing="events", scale_cpu=0.9)
-            plain = recorded(case, mode, args, cycles, gpu_timing="events")
+            rerun = reruns(case, mode, args, cycles)
+            plain = {"step_ms_median": rerun["plain"]}
             sampled = recorded(case, mode, args, cycles, gpu_timing="sampled")
             prof = profiled(case, mode, args.steps, cycles)
             # The profiler's kernel busy over this process's plain steps (medians: a busy-spinning thread on
@@ -222,8 +253,8 @@ def synthetic(args) -> list[dict]:
             rows.append({
                 "case": case, "mode": mode, "base": base, "sampled": sampled, "plain": plain,
                 "profiler": prof,
-                "rerun_gpu_pct": 100 * (gpu["step_ms_median"] / plain["step_ms_median"] - 1),
-                "rerun_cpu_pct": 100 * (cpu["step_ms_median"] / plain["step_ms_median"] - 1),
+                "rerun_gpu_pct": 100 * (rerun["gpu"] / rerun["plain"] - 1),
+                "rerun_cpu_pct": 100 * (rerun["cpu"] / rerun["plain"] - 1),
             })
             print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -132,11 +132,16 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
     excess_ms = float(np.minimum(ms[affected], 20 * plain_ms).sum() - affected.sum() * plain_ms) \
         if affected.any() and (~affected).any() else 0.0
     switch_ms = float(switch.sum() / 1e6)
+    # The engine thread's flushes (spans between steps) and the CUPTI drain thread's time: where a mode's
+    # cost goes besides the hot path and the windows.
+    flush_ms = float(run.spans[run.spans["label"] == "overshoot:flush"]["dur_ns"].sum() / 1e6)
+    drain_ms = float((sampler or {}).get("drain_ms") or 0.0)
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
             "with_kernels": int((decode["gpu_timing"] == "kernels").sum()), "switch_ms": switch_ms,
             "switches": int(len(switch)), "setup_ms": setup_ms, "windows_excess_ms": excess_ms,
-            "run_ms": hooked_ms,
+            "run_ms": hooked_ms, "flush_ms": flush_ms, "drain_ms": drain_ms,
+            "drain_ms_max": float((sampler or {}).get("drain_ms_max") or 0.0),
             "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 
@@ -206,6 +211,17 @@ def measure_config(name: str, args) -> dict:
     return {"config": name, "rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
+def _threads_account(run: dict) -> str:
+    """The engine thread's flushes and the drain thread's work, as shares of the mode's timed rounds."""
+    total = run["run_ms"]
+    if not total:
+        return ""
+    text = f", flushes {100 * run.get('flush_ms', 0.0) / total:.2f}%"
+    if run.get("drain_ms"):
+        text += f", drain thread {100 * run['drain_ms'] / total:.2f}% (longest {run['drain_ms_max']:.1f} ms)"
+    return text
+
+
 def print_table(results: list[dict], args) -> None:
     print(f"\n{args.preset}, {args.tokens} tokens a request, rounds alternating in a rotating order; per "
           "mode: hooked / plain time over all rounds [90% bootstrap interval]; profiler: one round over the "
@@ -230,6 +246,7 @@ def print_table(results: list[dict], args) -> None:
                 + (f", own account {100 * r['run']['accounted']:+.2f}% "
                    f"(+{r['run']['setup_ms']:.0f} ms set-up)"
                    if m == "sampled" and r["run"]["accounted"] is not None else "")
+                + _threads_account(r["run"])
                 for m, r in row["modes"].items())
             print(f"{row['config']:22} {row['batch']:>5} {row['rounds_done']:>6} {row['plain_ms']:8.3f} "
                   + " ".join(cells) + f"  {recorded}")

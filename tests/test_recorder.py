@@ -500,3 +500,63 @@ def test_sigterm_inside_a_deferred_block_arrives_after_it():
         assert signal.getsignal(signal.SIGTERM) is not None and got.count("handler") == 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _HostEvent:
+    """A CUDA event's interface on the host clock: done when recorded (the GPU keeps up with the host)."""
+
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = perf_counter_ns()
+
+    def query(self):
+        return self.t is not None
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) / 1e6
+
+
+def _host_ring(size: int = 64):
+    """The real CudaEventRing's bookkeeping (acquire, commit, resolve, anchors) over host-clock events."""
+    from overshoot.record.cuda_events import CudaEventRing
+
+    ring = object.__new__(CudaEventRing)
+    ring.size, ring.dropped, ring.write_head, ring.resolve_head = size, 0, 0, 0
+    ring.begin_events = [_HostEvent() for _ in range(size)]
+    ring.end_events = [_HostEvent() for _ in range(size)]
+    ring.slot_step = [0] * size
+    ring.record = lambda event, stream: event.record(stream)
+    ring.reanchor_ns, ring.max_drift_us, ring.anchors, ring.gpu_name = 10**12, 0.0, 1, "host clock"
+    ring._anchor = _HostEvent()
+    ring._anchor.record()
+    ring._anchor_host_ns = ring._last_anchor_ns = ring._anchor.t
+    ring._pending_anchor = None
+    return ring
+
+
+@pytest.mark.parametrize("wait_us", [400, 0])
+def test_gpu_bound_waits_resolve_the_events_the_flush_would(tmp_path, wait_us):
+    """Steps that waited on the GPU >= 0.2 ms resolve finished steps' events in their next wait, so the
+    flush between steps has none left to do; steps that did not wait leave them to the flush. Either way the
+    run has every step's GPU interval, once, in order."""
+    rec = Recorder(tmp_path, engine="t", flush_steps=64)
+    rec._ring = _host_ring()
+    in_wait = []
+    for _ in range(40):
+        rec.step_begin(batch_size=1, phase="decode")
+        rec.gpu_begin(None)
+        spin(20)
+        rec.gpu_end(None)
+        with rec.wait("gpu"):
+            spin(wait_us)
+        in_wait.append(len(rec._ring_rows[0]))
+    rec.close()
+    run = load_run(tmp_path)
+    assert list(run.gpu["step"]) == list(range(40))
+    assert (run.gpu["gpu_end_ns"] > run.gpu["gpu_start_ns"]).all()
+    if wait_us:  # from the second wait on, each resolves the step before it
+        assert in_wait[1:] == list(range(1, 40)), in_wait
+    else:
+        assert not any(in_wait)

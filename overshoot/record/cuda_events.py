@@ -83,12 +83,15 @@ class CudaEventRing:
 
     # ---- flush time ----
 
-    def resolve(self, steps: list[int], starts: list[int], ends: list[int]) -> None:
-        """Append (step, gpu_start_ns, gpu_end_ns) of every completed slot, in order, to the three lists."""
+    def resolve(self, steps: list[int], starts: list[int], ends: list[int], *,
+                limit: int | None = None) -> None:
+        """Append (step, gpu_start_ns, gpu_end_ns) of every completed slot (at most `limit`), in order, to
+        the three lists."""
         self._maybe_adopt_anchor()
         anchor, anchor_ns = self._anchor, self._anchor_host_ns
         size = self.size
-        while self.resolve_head < self.write_head:
+        stop = self.write_head if limit is None else min(self.write_head, self.resolve_head + limit)
+        while self.resolve_head < stop:
             slot = self.resolve_head % size
             end = self.end_events[slot]
             if not end.query():

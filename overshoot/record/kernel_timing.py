@@ -118,6 +118,9 @@ class KernelSampler:
         self._switch_ns = 0  # time the last window's two switches took (between steps, on the engine thread)
         self.switch_ns_total = 0  # every switch, the first enable's set-up included
         self.setup_ns = 0  # the collector's set-up inside its first enable (once a process)
+        # The drain thread's own time (collect, filter, hand over), mostly holding the GIL: the engine thread
+        # can wait for it, so its total and longest stretch are part of what the mode costs.
+        self.drains, self.drain_ns_total, self.drain_ns_max = 0, 0, 0
         self._seen: set[tuple] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -291,6 +294,7 @@ class KernelSampler:
                 self._deliver(final=False)
 
     def _deliver(self, *, final: bool) -> None:
+        t = perf_counter_ns()
         try:
             columns = self.collector.collect(final=final)
         except Exception as e:
@@ -300,6 +304,10 @@ class KernelSampler:
             columns = self._inside_windows(columns)
         if columns is not None:
             self.recorder.kernel_spans(columns)
+        took = perf_counter_ns() - t
+        self.drains += 1
+        self.drain_ns_total += took
+        self.drain_ns_max = max(self.drain_ns_max, took)
 
     def _inside_windows(self, columns: dict) -> dict | None:
         """The records launched inside a window (by GPU start where the launch is unknown) that ended
@@ -359,4 +367,6 @@ class KernelSampler:
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
+                "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
+                "drain_ms_max": self.drain_ns_max / 1e6,
                 "collector": self.collector.describe()}

@@ -36,6 +36,7 @@ from overshoot.record.scopes import (
     BUSY,
     IDLE,
     MAX_DEPTH,
+    RESOLVE_IN_WAIT_NS,
     WAIT,
     IdleScope,
     ScopeCache,
@@ -46,6 +47,7 @@ from overshoot.record.scopes import (
 from overshoot.record.writer import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
+RESOLVE_IN_WAIT_SLOTS = 8  # at most this many events pairs per wait (~10 µs each on the H200)
 # events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
 # in windows of steps, spaced to keep the collector's cost within budget; off: no GPU timing.
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
@@ -74,8 +76,9 @@ class Recorder:
         "_n_steps", "_spans_cap", "_p_step", "_p_kind", "_p_label", "_p_start", "_p_dur", "_n_spans",
         "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
         "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
-        "_step", "_next_step", "_step_start", "_step_wait", "_batch", "_tokens", "_phase", "_facts",
-        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring",
+        "_step", "_next_step", "_step_start", "_step_wait", "_last_wait", "_batch", "_tokens", "_phase",
+        "_facts",
+        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
         "_k_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
         "busy", "_wait_scopes", "_idle_scope",
@@ -150,6 +153,7 @@ class Recorder:
         self._next_step = 0
         self._step_start = 0
         self._step_wait = 0
+        self._last_wait = 0  # wait_ns of the last finished step
         self._batch = self._tokens = self._phase = None
         self._facts: dict | None = None
         self._gpu_t0 = self._gpu_t1 = -1  # host-clock GPU interval of the open step (gpu_span)
@@ -157,6 +161,7 @@ class Recorder:
         self._gpu_ended = False
         self._gpu_detached = False  # the open CUDA slot began outside any step (a worker thread)
         self._ring = False if gpu_timing == "off" else None  # None: not tried yet; False: no CUDA
+        self._ring_rows: tuple[list, list, list] = ([], [], [])  # resolved in waits, for the next flush
         self.steps_recorded = 0
         # Kernel records arrive from any thread (the CUPTI collector's, tests): a lock, off the hot path.
         self._k_lock = threading.Lock()
@@ -238,7 +243,7 @@ class Recorder:
             return t
         n = self._n_steps
         self._s_step[n], self._s_start[n], self._s_end[n] = old, self._step_start, t
-        self._s_wait[n] = self._step_wait
+        self._s_wait[n] = self._last_wait = self._step_wait
         self._s_batch[n], self._s_tokens[n], self._s_phase[n] = self._batch, self._tokens, self._phase
         self._s_facts[n] = self._facts
         if self._gpu_t0 >= 0:
@@ -323,7 +328,22 @@ class Recorder:
         self._st_start[d] = t
         if not self._wait_depth:
             self._wait_start = t
+            ring = self._ring
+            if ring and self._last_wait >= RESOLVE_IN_WAIT_NS and ring.write_head > ring.resolve_head:
+                self._resolve_in_wait(ring)
         self._wait_depth += 1
+
+    def _resolve_in_wait(self, ring) -> None:
+        """Resolve finished steps' CUDA events inside a wait of a GPU-bound stretch: the time is the wait's
+        (the thread had nothing else to do) instead of the next flush's, which delays a step."""
+        if not self._flush_lock.acquire(blocking=False):
+            return
+        self._flushing_ident = self._owner  # a signal handler's flush on this thread skips, as in a flush
+        try:
+            ring.resolve(*self._ring_rows, limit=RESOLVE_IN_WAIT_SLOTS)
+        finally:
+            self._flushing_ident = None
+            self._flush_lock.release()
 
     def idle_begin(self) -> None:
         t = perf_counter_ns()
@@ -548,7 +568,7 @@ class Recorder:
     def _flush_locked(self, *, owner: bool, drain: bool = False) -> None:
         n_steps, n_spans, n_gpu = self._n_steps, self._n_spans, self._n_gpu
         w_steps, w_spans, w_gpu = self._w_steps, self._w_spans, self._w_gpu
-        gpu_rows: tuple[list, list, list] = ([], [], [])
+        gpu_rows, self._ring_rows = self._ring_rows, ([], [], [])
         if self._ring and not self._closed:
             (self._ring.drain if drain else self._ring.resolve)(*gpu_rows)
         if drain and self._sampler is not None:
