@@ -142,6 +142,7 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
             "switches": int(len(switch)), "setup_ms": setup_ms, "windows_excess_ms": excess_ms,
             "run_ms": hooked_ms, "flush_ms": flush_ms, "drain_ms": drain_ms,
             "drain_ms_max": float((sampler or {}).get("drain_ms_max") or 0.0),
+            "flush_all_ms": float(((sampler or {}).get("collector") or {}).get("flush_all_ms") or 0.0),
             "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 
@@ -218,7 +219,9 @@ def _threads_account(run: dict) -> str:
         return ""
     text = f", flushes {100 * run.get('flush_ms', 0.0) / total:.2f}%"
     if run.get("drain_ms"):
-        text += f", drain thread {100 * run['drain_ms'] / total:.2f}% (longest {run['drain_ms_max']:.1f} ms)"
+        text += (f", drain thread {100 * run['drain_ms'] / total:.2f}% "
+                 f"(longest {run['drain_ms_max']:.1f} ms; {100 * run.get('flush_all_ms', 0.0) / total:.2f}% "
+                 "in CUPTI's flush, without the GIL)")
     return text
 
 

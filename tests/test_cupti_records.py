@@ -208,15 +208,22 @@ def test_final_lets_nothing_wait_and_unusable_timestamps_are_dropped():
 
 
 def test_the_collector_returns_kernels_table_columns_on_the_host_clock():
+    """Names and kinds come as dictionary codes (no Python string a record on the drain thread, which
+    holds the GIL) and are written as the same strings."""
     from overshoot.record.cupti.collector import CuptiCollector
+    from overshoot.record.writer import kernel_batch
 
     session = SimpleNamespace(monotonic=True, clock=[], name=lambda p: f"kernel@{p:x}")
     g, a = parsed(api(100, 110, 7), kernel(120, 150, 3, 7), memcpy(300, 320, 5, 9, copy_kind=2),
                   memset(330, 331, 5, 10), api(325, 328, 10, cbid=51))
     out, match, calls = records.LaunchJoin().step([g], [a], final=True)
     cols = CuptiCollector._rows(session, out, match, calls)
-    assert cols["kind"] == ["kernel", "memcpy", "memset"]
-    assert cols["name"] == ["kernel@abc", "memcpy DtoH", "memset"]
+    assert cols["kind"].to_pylist() == ["kernel", "memcpy", "memset"]
+    assert cols["name"].to_pylist() == ["kernel@abc", "memcpy DtoH", "memset"]
+    assert cols["name"].type.value_type == "string" and len(cols["name"].dictionary) == 3
+    batch = kernel_batch(cols)
+    assert batch.column(batch.schema.get_field_index("name")).to_pylist() == cols["name"].to_pylist()
+    assert batch.column(batch.schema.get_field_index("kind")).type == "string"
     assert cols["launch_start_ns"][[0, 2]].tolist() == [100.0, 325.0] and np.isnan(cols["launch_end_ns"][1])
     assert cols["gpu_start_ns"].dtype == np.int64 and cols["gpu_end_ns"].tolist() == [150, 320, 331]
     assert cols["stream"].dtype == np.int64 and cols["correlation"].tolist() == [7, 9, 10]
@@ -289,3 +296,4 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
     assert session.layout.sizes == {KIND_RUNTIME: 40, KIND_CONCURRENT_KERNEL: 216}
     assert offsets(memset(1, 2, 3, 4) + api(1, 2, 3)) == [0, 88]  # a kind first seen later is learned
     assert session.layout.sizes[KIND_MEMSET] == 88
+

@@ -560,3 +560,36 @@ def test_gpu_bound_waits_resolve_the_events_the_flush_would(tmp_path, wait_us):
         assert in_wait[1:] == list(range(1, 40)), in_wait
     else:
         assert not any(in_wait)
+
+
+@pytest.mark.parametrize("wait_us", [1500, 0])
+def test_a_due_flush_runs_inside_the_next_wait_of_a_gpu_bound_stretch(tmp_path, wait_us):
+    """A flush due after a step that waited >= 0.2 ms, and at least twice the last flush's time, runs at the
+    start of the next wait (its time part of that wait), not between steps; after steps that did not wait it
+    runs between steps. Every step and span is written either way."""
+    rec = Recorder(tmp_path, engine="t", flush_seconds=0.0)  # a flush is due at every boundary
+    for _ in range(30):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"):
+            spin(50)
+        with rec.wait("gpu"):
+            spin(wait_us)
+        with rec.busy("update"):
+            spin(20)
+    rec.close()
+    run = load_run(tmp_path)
+    assert list(run.steps["step"]) == list(range(30))
+    spans = run.spans
+    assert (spans[spans["step"] >= 0].groupby("step").size() == 3).all()
+    flushes = spans[spans["label"] == "overshoot:flush"]
+    waits = spans[spans["kind"] == "wait"]
+    starts = waits["start_ns"].to_numpy()
+    inside = [((starts <= f.start_ns) & (f.start_ns + f.dur_ns <= starts + waits["dur_ns"].to_numpy())).any()
+              for f in flushes.itertuples()]
+    assert len(flushes) >= 25
+    if wait_us:
+        assert sum(inside) >= len(flushes) - 2, inside  # the first flush (no cost known yet) may fall between
+        step_wait_ms = run.steps["wait_ns"].to_numpy()[1:] / 1e6
+        assert (step_wait_ms >= wait_us / 1e3).all()
+    else:
+        assert not any(inside)

@@ -328,8 +328,7 @@ class KernelSampler:
         if not keep.any():
             return None
         rows = np.flatnonzero(keep)
-        return {name: [values[i] for i in rows] if isinstance(values, list) else np.asarray(values)[rows]
-                for name, values in columns.items()}
+        return {name: _take(values, rows) for name, values in columns.items()}
 
     def close(self, *, wait_seconds: float = 2.0) -> None:
         """Close the open window and deliver every outstanding record (forced, with the collector still on,
@@ -370,3 +369,15 @@ class KernelSampler:
                 "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
                 "drain_ms_max": self.drain_ns_max / 1e6,
                 "collector": self.collector.describe()}
+
+
+def _take(values, rows):
+    """Rows `rows` of one kernels column: a list, a numpy array or an Arrow array (the collector's names)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(values, list):
+        return [values[i] for i in rows]
+    if isinstance(values, pa.Array):
+        return values.take(pa.array(rows))
+    return np.asarray(values)[rows]

@@ -36,7 +36,6 @@ from overshoot.record.scopes import (
     BUSY,
     IDLE,
     MAX_DEPTH,
-    RESOLVE_IN_WAIT_NS,
     WAIT,
     IdleScope,
     ScopeCache,
@@ -47,7 +46,12 @@ from overshoot.record.scopes import (
 from overshoot.record.writer import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
-RESOLVE_IN_WAIT_SLOTS = 8  # at most this many events pairs per wait (~10 µs each on the H200)
+# A step that waited this long on the GPU marks a GPU-bound stretch: the next wait does the recorder's own
+# work (a due flush when it fits in half the last wait, else resolving finished steps' CUDA events) while the
+# thread waits anyway, instead of between steps, where it delays the next launch.
+WORK_IN_WAIT_NS = 200_000
+RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wait
+RESOLVE, FLUSH = 1, 2  # values of `_wait_work`: what the next wait does (0: nothing)
 # events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
 # in windows of steps, spaced to keep the collector's cost within budget; off: no GPU timing.
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
@@ -76,8 +80,8 @@ class Recorder:
         "_n_steps", "_spans_cap", "_p_step", "_p_kind", "_p_label", "_p_start", "_p_dur", "_n_spans",
         "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
         "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
-        "_step", "_next_step", "_step_start", "_step_wait", "_last_wait", "_batch", "_tokens", "_phase",
-        "_facts",
+        "_step", "_next_step", "_step_start", "_step_wait", "_wait_work", "_flush_ns", "_batch", "_tokens",
+        "_phase", "_facts",
         "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
         "_k_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
@@ -153,7 +157,8 @@ class Recorder:
         self._next_step = 0
         self._step_start = 0
         self._step_wait = 0
-        self._last_wait = 0  # wait_ns of the last finished step
+        self._wait_work = 0  # RESOLVE / FLUSH: work for the next outermost wait (a GPU-bound stretch)
+        self._flush_ns = 0  # how long the last flush took
         self._batch = self._tokens = self._phase = None
         self._facts: dict | None = None
         self._gpu_t0 = self._gpu_t1 = -1  # host-clock GPU interval of the open step (gpu_span)
@@ -243,7 +248,7 @@ class Recorder:
             return t
         n = self._n_steps
         self._s_step[n], self._s_start[n], self._s_end[n] = old, self._step_start, t
-        self._s_wait[n] = self._last_wait = self._step_wait
+        self._s_wait[n] = waited = self._step_wait
         self._s_batch[n], self._s_tokens[n], self._s_phase[n] = self._batch, self._tokens, self._phase
         self._s_facts[n] = self._facts
         if self._gpu_t0 >= 0:
@@ -261,8 +266,14 @@ class Recorder:
         self.steps_recorded += 1
         if self._nvtx is not None:
             self._nvtx.end_step(self._nvtx_step)
+        long_wait = waited >= WORK_IN_WAIT_NS
         if n + 1 >= self._steps_cap or t - self._last_flush_ns >= self._flush_interval_ns:
+            if long_wait and waited >= 2 * self._flush_ns and n + 2 < self._steps_cap:
+                self._wait_work = FLUSH
+                return t
+            self._wait_work = 0
             return self._flush_between_steps(t)
+        self._wait_work = RESOLVE if long_wait and self._ring else 0
         return t
 
     def _split_open_spans(self, old: int, t: int) -> None:
@@ -276,6 +287,7 @@ class Recorder:
     def _flush_between_steps(self, t: int) -> int:
         self.flush()
         t_after = perf_counter_ns()
+        self._flush_ns = t_after - t
         # Visible in the trace: the engine thread spent this time in overshoot, outside any step.
         self._emit_span(-1, BUSY, FLUSH_LABEL, t, t_after - t)
         for d in range(min(self._depth, MAX_DEPTH)):
@@ -328,15 +340,24 @@ class Recorder:
         self._st_start[d] = t
         if not self._wait_depth:
             self._wait_start = t
-            ring = self._ring
-            if ring and self._last_wait >= RESOLVE_IN_WAIT_NS and ring.write_head > ring.resolve_head:
-                self._resolve_in_wait(ring)
+            if self._wait_work:
+                self._work_in_wait()
         self._wait_depth += 1
 
-    def _resolve_in_wait(self, ring) -> None:
-        """Resolve finished steps' CUDA events inside a wait of a GPU-bound stretch: the time is the wait's
-        (the thread had nothing else to do) instead of the next flush's, which delays a step."""
-        if not self._flush_lock.acquire(blocking=False):
+    def _work_in_wait(self) -> None:
+        """The recorder's own work inside the first wait after a GPU-bound step: its time counts in the wait
+        (the thread had nothing else to do; if it outlasts the GPU's work, the wait ends later than the GPU,
+        as a wake-up would). A flush is also recorded as an `overshoot:flush` span at step -1."""
+        work, self._wait_work = self._wait_work, 0
+        if work == FLUSH:
+            t = perf_counter_ns()
+            self.flush()
+            t_after = perf_counter_ns()
+            self._flush_ns = t_after - t
+            self._emit_span(-1, BUSY, FLUSH_LABEL, t, t_after - t)
+            return
+        ring = self._ring
+        if not ring or ring.write_head == ring.resolve_head or not self._flush_lock.acquire(blocking=False):
             return
         self._flushing_ident = self._owner  # a signal handler's flush on this thread skips, as in a flush
         try:

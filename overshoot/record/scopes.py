@@ -20,9 +20,6 @@ from time import perf_counter_ns
 
 BUSY, WAIT, IDLE = "busy", "wait", "idle"
 MAX_DEPTH = 64  # deeper nesting is ignored (counted), never an IndexError inside the engine
-# A step that waited this long on the GPU marks a GPU-bound stretch: the next wait resolves finished steps'
-# CUDA events while the thread waits anyway, instead of the next flush doing it on a step's critical path.
-RESOLVE_IN_WAIT_NS = 200_000
 
 
 class ScopeCache(dict):
@@ -77,9 +74,8 @@ def fast_scope(rec, kind: str, label: str) -> _FastScope:
                 st_start[d] = t
                 if not rec._wait_depth:
                     rec._wait_start = t
-                    ring = rec._ring
-                    if ring and rec._last_wait >= RESOLVE_IN_WAIT_NS and ring.write_head > ring.resolve_head:
-                        rec._resolve_in_wait(ring)
+                    if rec._wait_work:
+                        rec._work_in_wait()
                 rec._wait_depth += 1
             return scope
 

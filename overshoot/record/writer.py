@@ -126,7 +126,8 @@ _CONVERTERS = {pa.bool_(): bool, pa.int64(): int, pa.float64(): float, pa.string
 
 
 def kernel_batch(columns: dict) -> pa.RecordBatch:
-    """A kernels record batch from equal-length columns named as KERNELS_SCHEMA (numpy arrays or lists).
+    """A kernels record batch from equal-length columns named as KERNELS_SCHEMA (numpy arrays or lists;
+    the string columns also Arrow arrays, dictionary-encoded or not).
     Absent columns: kind "kernel", name "", stream 0, correlation -1, launch times null; a NaN launch time
     is null. Built from buffers, without pandas (see column())."""
     n = len(columns["gpu_start_ns"])
@@ -134,6 +135,9 @@ def kernel_batch(columns: dict) -> pa.RecordBatch:
     for f in KERNELS_SCHEMA:
         values = columns.get(f.name)
         if f.type == pa.string():
+            if isinstance(values, pa.Array):  # the collector's dictionary of names: decoded in C++
+                arrays.append(values.cast(pa.string()) if pa.types.is_dictionary(values.type) else values)
+                continue
             values = [("kernel" if f.name == "kind" else "")] * n if values is None else values
             arrays.append(_string_column(list(values)))
             continue

@@ -23,6 +23,7 @@ import threading
 import time
 
 import numpy as np
+import pyarrow as pa
 
 from overshoot.record.cupti import native, records
 from overshoot.record.cupti.records import (
@@ -192,6 +193,7 @@ class CuptiCollector:
         self._enabled = False
         self._lock = threading.Lock()  # collect() against close()
         self.setup_ns = 0  # the process's first enable: CUPTI set-up and its first activity enable
+        self.flush_all_ns = 0  # inside cuptiActivityFlushAll (ctypes: without the GIL), of collect()'s time
 
     def _ready(self) -> _Session:
         if self._session is None:
@@ -209,7 +211,8 @@ class CuptiCollector:
                 "layout": s.layout.name if s.layout else None, "api_filter": API_FILTER,
                 "clock": "CLOCK_MONOTONIC callback" if s.monotonic else "CUPTI clock, mapped",
                 "clock_error_ns": max(c.error_ns for c in s.clock), "notes": list(s.notes),
-                "invalid_records": self._join.invalid, "shim": s.shim.stats()}
+                "invalid_records": self._join.invalid, "flush_all_ms": self.flush_all_ns / 1e6,
+                "shim": s.shim.stats()}
 
     def enable(self) -> None:
         """Engine thread, step boundary: five ctypes calls into CUPTI, ~0.1 ms (the first call also sets
@@ -239,7 +242,9 @@ class CuptiCollector:
         if s is None:
             return None
         with self._lock:
+            t = time.perf_counter_ns()
             s.cupti.call("cuptiActivityFlushAll", 1 if final else 0)  # 1: CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+            self.flush_all_ns += time.perf_counter_ns() - t
             gpu_parts, api_parts = [], []
             buffers = []
             while chunk := s.shim.take_completed():
@@ -275,20 +280,32 @@ class CuptiCollector:
         if has.any():
             launch_start[has] = to_host(api["start"][match[has]])
             launch_end[has] = to_host(api["end"][match[has]])
-        return {"kind": [KIND_NAMES[k] for k in gpu["gpu_kind"].tolist()],
-                "name": CuptiCollector._names(s, gpu), "stream": gpu["stream"].astype(np.int64),
+        kind = pa.DictionaryArray.from_arrays(pa.array(gpu["gpu_kind"].astype(np.int32)),
+                                              pa.array(KIND_NAMES, pa.string()))
+        return {"kind": kind, "name": CuptiCollector._names(s, gpu), "stream": gpu["stream"].astype(np.int64),
                 "correlation": gpu["correlation"].astype(np.int64), "launch_start_ns": launch_start,
                 "launch_end_ns": launch_end, "gpu_start_ns": to_host(gpu["start"]),
                 "gpu_end_ns": to_host(gpu["end"])}
 
     @staticmethod
-    def _names(s: _Session, gpu: dict) -> list[str]:
-        pointers, inverse = np.unique(gpu["name_ptr"], return_inverse=True)
-        names = np.array([s.name(p) for p in pointers.tolist()], dtype=object)[inverse.ravel()]
+    def _names(s: _Session, gpu: dict) -> pa.DictionaryArray:
+        """Each record's kernel name (copies: "memcpy HtoD"...; sets: "memset") as codes into the distinct
+        names: no Python string a record on this thread, which holds the GIL the engine thread needs."""
+        kernels = gpu["gpu_kind"] == records.KERNEL
+        pointers, inverse = np.unique(gpu["name_ptr"][kernels], return_inverse=True)
+        words = [s.name(p) for p in pointers.tolist()]
+        codes = np.zeros(len(kernels), np.int32)
+        codes[kernels] = inverse.ravel()
         copies = gpu["gpu_kind"] == records.MEMCPY
-        names[copies] = ["memcpy " + MEMCPY_KINDS.get(k, "?") for k in gpu["copy_kind"][copies].tolist()]
-        names[gpu["gpu_kind"] == records.MEMSET] = "memset"
-        return names.tolist()
+        if copies.any():
+            copy_kinds, which = np.unique(gpu["copy_kind"][copies], return_inverse=True)
+            codes[copies] = len(words) + which.ravel()
+            words += ["memcpy " + MEMCPY_KINDS.get(k, "?") for k in copy_kinds.tolist()]
+        sets = gpu["gpu_kind"] == records.MEMSET
+        if sets.any():
+            codes[sets] = len(words)
+            words.append("memset")
+        return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(words, pa.string()))
 
     def close(self) -> None:
         """Drop what is left and free the idle buffers. CUPTI's callbacks stay registered: CUPTI has no
