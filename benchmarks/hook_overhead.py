@@ -134,15 +134,24 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
     switch_ms = float(switch.sum() / 1e6)
     # The engine thread's flushes (spans between steps) and the CUPTI drain thread's time: where a mode's
     # cost goes besides the hot path and the windows.
-    flush_ms = float(run.spans[run.spans["label"] == "overshoot:flush"]["dur_ns"].sum() / 1e6)
+    flushes = run.spans[run.spans["label"] == "overshoot:flush"]
+    flush_ms = float(flushes["dur_ns"].sum() / 1e6)
+    waits = run.spans[(run.spans["kind"] == "wait") & (run.spans["step"] >= 0)].sort_values("start_ns")
+    in_wait = 0
+    if len(waits):  # flushes the recorder ran inside a wait (a GPU-bound stretch), off the critical path
+        at = np.searchsorted(waits["start_ns"].to_numpy(), flushes["start_ns"].to_numpy(), side="right") - 1
+        wait_end = (waits["start_ns"] + waits["dur_ns"]).to_numpy()[np.maximum(at, 0)]
+        in_wait = int(((at >= 0) & ((flushes["start_ns"] + flushes["dur_ns"]).to_numpy() <= wait_end)).sum())
     drain_ms = float((sampler or {}).get("drain_ms") or 0.0)
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
             "with_kernels": int((decode["gpu_timing"] == "kernels").sum()), "switch_ms": switch_ms,
             "switches": int(len(switch)), "setup_ms": setup_ms, "windows_excess_ms": excess_ms,
-            "run_ms": hooked_ms, "flush_ms": flush_ms, "drain_ms": drain_ms,
+            "run_ms": hooked_ms, "flush_ms": flush_ms, "flushes": int(len(flushes)),
+            "flushes_in_wait": in_wait, "drain_ms": drain_ms,
             "drain_ms_max": float((sampler or {}).get("drain_ms_max") or 0.0),
             "flush_all_ms": float(((sampler or {}).get("collector") or {}).get("flush_all_ms") or 0.0),
+            "drain_cpu_ms": float((sampler or {}).get("drain_cpu_ms") or 0.0),
             "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 
@@ -217,11 +226,13 @@ def _threads_account(run: dict) -> str:
     total = run["run_ms"]
     if not total:
         return ""
-    text = f", flushes {100 * run.get('flush_ms', 0.0) / total:.2f}%"
+    text = (f", flushes {100 * run.get('flush_ms', 0.0) / total:.2f}% "
+            f"({run.get('flushes_in_wait', 0)} of {run.get('flushes', 0)} inside a wait)")
     if run.get("drain_ms"):
         text += (f", drain thread {100 * run['drain_ms'] / total:.2f}% "
-                 f"(longest {run['drain_ms_max']:.1f} ms; {100 * run.get('flush_all_ms', 0.0) / total:.2f}% "
-                 "in CUPTI's flush, without the GIL)")
+                 f"(CPU {100 * run.get('drain_cpu_ms', 0.0) / total:.2f}%, "
+                 f"longest {run['drain_ms_max']:.1f} ms; "
+                 f"{100 * run.get('flush_all_ms', 0.0) / total:.2f}% in CUPTI's flush, without the GIL)")
     return text
 
 

@@ -247,7 +247,8 @@ def test_the_shim_exports_what_native_binds(shim_build):
     lib = ctypes.CDLL(shim_build)
     for name in ("ovs_monotonic_ns", "ovs_configure", "ovs_set_dropped_fn", "ovs_buffer_requested",
                  "ovs_buffer_completed", "ovs_take_completed", "ovs_num_completed", "ovs_buffer_size",
-                 "ovs_recycle", "ovs_release_free", "ovs_stats", "ovs_clock_pairs", "ovs_walk"):
+                 "ovs_recycle", "ovs_release_free", "ovs_stats", "ovs_clock_pairs", "ovs_walk",
+                 "ovs_gather"):
         assert hasattr(lib, name), name
 
 
@@ -263,6 +264,21 @@ def test_the_c_walk_equals_the_numpy_walk(shim_build, tmp_path):
     raw = (ctypes.c_uint8 * len(bad)).from_buffer_copy(bytes(bad))
     with pytest.raises(records.LayoutError, match="byte 40"):
         shim.walk(ctypes.addressof(raw), len(bad), CUPTI_13_0.sizes)
+
+
+def test_the_c_gather_parses_as_the_numpy_gather(shim_build, tmp_path):
+    shim = fresh_shim(shim_build, tmp_path)
+    buf = (api(100, 110, 7) + kernel(120, 150, 3, 7, name_ptr=0x1234) + memcpy(300, 320, 5, 9, copy_kind=2)
+           + api(290, 295, 9, cbid=41, driver=True) + memset(330, 331, 5, 10)
+           + kernel(2**40, 2**40 + 9, 4, 11) + bytes(64))
+    offsets = records.walk(buf, CUPTI_13_0.sizes)
+    ours = records.parse(np.frombuffer(buf, np.uint8).copy(), CUPTI_13_0, *offsets, copy=shim.gather)
+    theirs = records.parse(buf, CUPTI_13_0, *offsets)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+    assert ours[0]["start"].tolist()[1] == 2**40 and ours[0]["name_ptr"].tolist()[0] == 0x1234
 
 
 def test_the_shim_brackets_a_timestamp_source(shim_build, tmp_path):

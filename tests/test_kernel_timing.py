@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from time import perf_counter_ns
 
 import numpy as np
@@ -302,3 +303,30 @@ def test_paused_kernel_timing_records_nothing_between_recorded_stretches(tmp_pat
     rec.close()
     run = load_run(tmp_path / "r")
     assert collector.enables == 3 and len(run.kernels) == 30
+
+
+class CostlyParse(VirtualCollector):
+    """Burns 10 ms of its thread's CPU on each collect that has records (a parse holding the GIL)."""
+
+    def collect(self, *, final: bool = False) -> dict | None:
+        columns = super().collect(final=final)
+        if columns is not None:
+            t = time.thread_time_ns()
+            while time.thread_time_ns() - t < 10_000_000:
+                pass
+        return columns
+
+
+def test_the_drain_threads_cpu_time_for_a_window_counts_in_its_cost(tmp_path):
+    collector, run = _run(tmp_path, "sampled", steps=1500, budget=0.5, collector=CostlyParse())
+    windows = run.kernel_windows.sort_values("start_ns")
+    steps = run.steps.sort_values("start_ns")
+    plain_ns = float((steps["end_ns"] - steps["start_ns"]).median())
+    gap_steps = [int(((steps["start_ns"] > a) & (steps["start_ns"] < b)).sum())
+                 for a, b in zip(windows["end_ns"][:-1], windows["start_ns"][1:], strict=True)]
+    info = run.processes[0]["kernel_timing"]
+    assert info["drain_cpu_ms"] >= 10 * (len(windows) - 1) and info["drains"] >= len(windows)
+    # >= 10 ms of parse a window over 50% of the time between windows: >= 10e6 / (0.5 x step) steps apart,
+    # once a window's parse is known (the first gaps are the minimum, 32)
+    later = sorted(gap_steps[2:])
+    assert len(later) >= 1 and later[len(later) // 2] >= 0.8 * 10e6 / (0.5 * plain_ns), (gap_steps, plain_ns)

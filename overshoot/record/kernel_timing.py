@@ -120,7 +120,11 @@ class KernelSampler:
         self.setup_ns = 0  # the collector's set-up inside its first enable (once a process)
         # The drain thread's own time (collect, filter, hand over), mostly holding the GIL: the engine thread
         # can wait for it, so its total and longest stretch are part of what the mode costs.
-        self.drains, self.drain_ns_total, self.drain_ns_max = 0, 0, 0
+        self.drains, self.drain_ns_total, self.drain_ns_max, self.drain_cpu_ns = 0, 0, 0, 0
+        # Its CPU time by the window open or last opened when a delivery began: while it holds the GIL a
+        # CPU-bound engine thread waits, in slices of the switch interval (5 ms), possibly long after the
+        # steps counted in `_after`. A window's cost is at least what the windows before cost it (median).
+        self._drain_cpu_by_window: dict[int, int] = {}
         self._seen: set[tuple] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -259,8 +263,9 @@ class KernelSampler:
 
     def _next_gap(self) -> int:
         """Plain steps before the next window, so that what a window cost (its steps' slowdown, its two
-        switches and the excess of the steps after it, measured) is `budget` of the time until the next one;
-        at least min_gap. Medians inside: one preempted step must not move the spacing."""
+        switches and the excess of the steps after it or, if larger, the drain thread's CPU time for its
+        records, measured) is `budget` of the time until the next one; at least min_gap. Medians inside: one
+        preempted step must not move the spacing."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
         # Before any plain step (the first window opens at once) the steps inside stand for plain ones.
         baseline = list(self._plain) or inside
@@ -272,7 +277,10 @@ class KernelSampler:
         ratio = max(statistics.median(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
         self.cost_ratio = ratio
         after_ns = max(0.0, sum(self._after) - len(self._after) * plain)
-        cost_ns = len(inside) * ratio * plain + self._switch_ns + after_ns
+        # this window's records may not be parsed yet: the earlier windows' parses stand in for them
+        parsed = [cpu for w, cpu in list(self._drain_cpu_by_window.items()) if w < self.windows]
+        drain_ns = statistics.median(parsed) if parsed and self.mode == "sampled" else 0
+        cost_ns = len(inside) * ratio * plain + self._switch_ns + max(after_ns, drain_ns)
         return max(self.min_gap, int(cost_ns / (self.budget * plain)))
 
     # ---- drain thread ----
@@ -294,7 +302,7 @@ class KernelSampler:
                 self._deliver(final=False)
 
     def _deliver(self, *, final: bool) -> None:
-        t = perf_counter_ns()
+        t, cpu, window = perf_counter_ns(), time.thread_time_ns(), self.windows
         try:
             columns = self.collector.collect(final=final)
         except Exception as e:
@@ -305,6 +313,9 @@ class KernelSampler:
         if columns is not None:
             self.recorder.kernel_spans(columns)
         took = perf_counter_ns() - t
+        cpu = time.thread_time_ns() - cpu  # its wall time also counts its waits for the GIL
+        self.drain_cpu_ns += cpu
+        self._drain_cpu_by_window[window] = self._drain_cpu_by_window.get(window, 0) + cpu
         self.drains += 1
         self.drain_ns_total += took
         self.drain_ns_max = max(self.drain_ns_max, took)
@@ -367,7 +378,7 @@ class KernelSampler:
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
                 "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
-                "drain_ms_max": self.drain_ns_max / 1e6,
+                "drain_ms_max": self.drain_ns_max / 1e6, "drain_cpu_ms": self.drain_cpu_ns / 1e6,
                 "collector": self.collector.describe()}
 
 

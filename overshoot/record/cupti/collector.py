@@ -254,7 +254,8 @@ class CuptiCollector:
                     if addr and valid:
                         view = np.ctypeslib.as_array((ctypes.c_uint8 * valid).from_address(addr))
                         offsets = s.offsets(addr, valid)
-                        gpu, api = records.parse(view, s.layout or records.CUPTI_13_0, *offsets)
+                        gpu, api = records.parse(view, s.layout or records.CUPTI_13_0, *offsets,
+                                                 copy=s.shim.gather)
                         gpu_parts.append(gpu)  # parse copies: the buffer can go back to the pool
                         api_parts.append(api)
             finally:

@@ -112,30 +112,36 @@ def learn_sizes(offsets: np.ndarray, kinds: np.ndarray, valid: int | None) -> di
     return sizes
 
 
-def _gather(buf: np.ndarray, offsets: np.ndarray, fields: dict) -> dict:
+def _gather(buf: np.ndarray, offsets: np.ndarray, fields: dict, copy=None) -> dict:
     out = {}
     for name, (offset, dtype) in fields.items():
         dt = np.dtype(dtype)
-        index = (offsets + offset)[:, None] + np.arange(dt.itemsize)  # unaligned-safe byte gather
-        out[name] = np.ascontiguousarray(buf[index]).view(dt).ravel().astype(dt.newbyteorder("="))
+        if copy is not None:  # native.Shim.gather: the same bytes, gathered in C
+            raw = copy(buf, offsets, offset, dt.itemsize)
+        else:
+            index = (offsets + offset)[:, None] + np.arange(dt.itemsize)  # unaligned-safe byte gather
+            raw = np.ascontiguousarray(buf[index])
+        out[name] = raw.view(dt).ravel().astype(dt.newbyteorder("="))
     return out
 
 
-def parse(raw, layout: RecordLayout, offsets: np.ndarray, kinds: np.ndarray) -> tuple[dict, dict]:
-    """One buffer's records as columns (CUPTI's clock): GPU work (kernels, copies, sets) and API calls."""
+def parse(raw, layout: RecordLayout, offsets: np.ndarray, kinds: np.ndarray, *,
+          copy=None) -> tuple[dict, dict]:
+    """One buffer's records as columns (CUPTI's clock): GPU work (kernels, copies, sets) and API calls.
+    `copy`: a C byte gather (native.Shim.gather) instead of numpy's."""
     buf = np.frombuffer(raw, np.uint8) if not isinstance(raw, np.ndarray) else raw.view(np.uint8).ravel()
     parts = []
     record_types = ((KERNEL, (KIND_KERNEL, KIND_CONCURRENT_KERNEL), layout.kernel),
                     (MEMCPY, (KIND_MEMCPY,), layout.memcpy), (MEMSET, (KIND_MEMSET,), layout.memset))
     for code, kind_set, fields in record_types:
-        cols = _gather(buf, offsets[np.isin(kinds, kind_set)], fields)
+        cols = _gather(buf, offsets[np.isin(kinds, kind_set)], fields, copy)
         n = len(cols["start"])
         cols.setdefault("name_ptr", np.zeros(n, np.uint64))
         cols.setdefault("copy_kind", np.zeros(n, np.uint8))
         cols["gpu_kind"] = np.full(n, code, np.int8)
         parts.append(cols)
     gpu = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    api = _gather(buf, offsets[np.isin(kinds, (KIND_RUNTIME, KIND_DRIVER))], layout.api)
+    api = _gather(buf, offsets[np.isin(kinds, (KIND_RUNTIME, KIND_DRIVER))], layout.api, copy)
     api["driver"] = kinds[np.isin(kinds, (KIND_RUNTIME, KIND_DRIVER))] == KIND_DRIVER
     return gpu, api
 

@@ -194,3 +194,10 @@ long ovs_walk(const uint8_t *buf, size_t valid, const uint32_t *sizes, int n_siz
   }
   return (long)n;
 }
+
+/* One field of every record: `size` bytes at offs[i] + field_off, packed into out (n * size bytes). The
+   numpy byte gather this replaces built an index a byte and held the GIL the engine thread needs. */
+void ovs_gather(const uint8_t *buf, const int64_t *offs, size_t n, size_t field_off, size_t size,
+                uint8_t *out) {
+  for (size_t i = 0; i < n; i++) memcpy(out + i * size, buf + offs[i] + field_off, size);
+}
