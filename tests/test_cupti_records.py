@@ -313,3 +313,12 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
     assert offsets(memset(1, 2, 3, 4) + api(1, 2, 3)) == [0, 88]  # a kind first seen later is learned
     assert session.layout.sizes[KIND_MEMSET] == 88
 
+
+
+def test_member_is_isin():
+    rng = np.random.default_rng(0)
+    for values, codes in [(rng.integers(0, 700, 5000, dtype=np.uint32), records.RUNTIME_LAUNCH_CBIDS),
+                          (rng.integers(0, 12, 300).astype(np.int32), (KIND_RUNTIME, KIND_DRIVER)),
+                          (np.array([3, 70_000, 5], np.uint32), (5, 70_000)),  # beyond a table: isin
+                          (np.zeros(0, np.int32), (1, 2)), (np.array([1, 2, 9]), ())]:
+        assert np.array_equal(records.member(values, codes), np.isin(values, np.fromiter(codes, np.int64)))

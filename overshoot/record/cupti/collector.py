@@ -44,6 +44,12 @@ API_KINDS = (KIND_RUNTIME, KIND_DRIVER)
 CARRY_COLLECTS = 2  # GPU records wait this many collects for their launch record before going without
 KEEP_CALLS_COLLECTS = 4  # launch calls wait this many for their GPU records (kernels lag by the queue)
 API_FILTER = "all runtime+driver API records; launch, graph, copy and set calls kept (numpy)"
+# The drain thread parses a buffer's records in slices and sleeps this long between slices and stages: a
+# thread that holds the GIL makes the engine thread wait up to the switch interval (5 ms) before it is
+# forced to let go, and an engine that launches a step late leaves the GPU idle. The sleep lets a waiting
+# engine thread take the GIL at once.
+PARSE_SLICE = 8192
+GIL_YIELD_S = 0.0002
 
 
 def unavailable_reason(*, cuda: bool) -> str | None:
@@ -253,11 +259,14 @@ class CuptiCollector:
                 for addr, valid in buffers:
                     if addr and valid:
                         view = np.ctypeslib.as_array((ctypes.c_uint8 * valid).from_address(addr))
-                        offsets = s.offsets(addr, valid)
-                        gpu, api = records.parse(view, s.layout or records.CUPTI_13_0, *offsets,
-                                                 copy=s.shim.gather)
-                        gpu_parts.append(gpu)  # parse copies: the buffer can go back to the pool
-                        api_parts.append(api)
+                        offsets, kinds = s.offsets(addr, valid)
+                        for lo in range(0, len(offsets), PARSE_SLICE):
+                            gpu, api = records.parse(view, s.layout or records.CUPTI_13_0,
+                                                     offsets[lo:lo + PARSE_SLICE], kinds[lo:lo + PARSE_SLICE],
+                                                     copy=s.shim.gather)
+                            gpu_parts.append(gpu)  # parse copies: the buffer can go back to the pool
+                            api_parts.append(api)
+                            time.sleep(GIL_YIELD_S)
             finally:
                 for addr, _ in buffers:
                     if addr:
@@ -265,6 +274,7 @@ class CuptiCollector:
             if not s.monotonic:
                 s.clock.append(s.sample_clock())
             gpu, match, calls = self._join.step(gpu_parts, api_parts, final=final)
+            time.sleep(GIL_YIELD_S)
             return self._rows(s, gpu, match, calls) if gpu else None
 
     @staticmethod

@@ -112,6 +112,19 @@ def learn_sizes(offsets: np.ndarray, kinds: np.ndarray, valid: int | None) -> di
     return sizes
 
 
+def member(values: np.ndarray, codes) -> np.ndarray:
+    """`np.isin(values, codes)` for small non-negative codes (record kinds, callback ids) by a lookup table:
+    one pass instead of one per code or a sort, on the drain thread that holds the GIL while it runs."""
+    codes = np.fromiter(codes, np.int64)
+    values = np.asarray(values)
+    top = int(values.max(initial=0))
+    if not len(values) or top >= 1 << 16 or (len(codes) and codes.min() < 0):
+        return np.isin(values, codes)
+    table = np.zeros(max(top, int(codes.max(initial=0))) + 1, bool)
+    table[codes] = True
+    return table[values]
+
+
 def _gather(buf: np.ndarray, offsets: np.ndarray, fields: dict, copy=None) -> dict:
     out = {}
     for name, (offset, dtype) in fields.items():
@@ -134,15 +147,16 @@ def parse(raw, layout: RecordLayout, offsets: np.ndarray, kinds: np.ndarray, *,
     record_types = ((KERNEL, (KIND_KERNEL, KIND_CONCURRENT_KERNEL), layout.kernel),
                     (MEMCPY, (KIND_MEMCPY,), layout.memcpy), (MEMSET, (KIND_MEMSET,), layout.memset))
     for code, kind_set, fields in record_types:
-        cols = _gather(buf, offsets[np.isin(kinds, kind_set)], fields, copy)
+        cols = _gather(buf, offsets[member(kinds, kind_set)], fields, copy)
         n = len(cols["start"])
         cols.setdefault("name_ptr", np.zeros(n, np.uint64))
         cols.setdefault("copy_kind", np.zeros(n, np.uint8))
         cols["gpu_kind"] = np.full(n, code, np.int8)
         parts.append(cols)
     gpu = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    api = _gather(buf, offsets[np.isin(kinds, (KIND_RUNTIME, KIND_DRIVER))], layout.api, copy)
-    api["driver"] = kinds[np.isin(kinds, (KIND_RUNTIME, KIND_DRIVER))] == KIND_DRIVER
+    calls = member(kinds, (KIND_RUNTIME, KIND_DRIVER))
+    api = _gather(buf, offsets[calls], layout.api, copy)
+    api["driver"] = kinds[calls] == KIND_DRIVER
     return gpu, api
 
 
@@ -167,14 +181,14 @@ def join_launches(gpu_correlation: np.ndarray, api: dict) -> np.ndarray:
 
 def launch_calls(api: dict) -> np.ndarray:
     """Mask of the API records of calls that put work on the GPU (launches, graph launches, copies, sets)."""
-    runtime = np.isin(api["cbid"], np.fromiter(RUNTIME_LAUNCH_CBIDS, np.uint32))
-    driver = np.isin(api["cbid"], np.fromiter(DRIVER_LAUNCH_CBIDS, np.uint32))
+    runtime = member(api["cbid"], RUNTIME_LAUNCH_CBIDS)
+    driver = member(api["cbid"], DRIVER_LAUNCH_CBIDS)
     return np.where(api["driver"], driver, runtime)
 
 
 def graph_launch_calls(api: dict) -> np.ndarray:
     """Mask of the graph launches: one call, many GPU records (every kernel of the graph shares its id)."""
-    return np.where(api["driver"], np.isin(api["cbid"], (514, 515)), np.isin(api["cbid"], (311, 312)))
+    return np.where(api["driver"], member(api["cbid"], (514, 515)), member(api["cbid"], (311, 312)))
 
 
 def valid_times(gpu: dict) -> np.ndarray:
