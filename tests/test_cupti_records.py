@@ -295,8 +295,11 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
 
     truth = {**CUPTI_13_0.sizes}
 
-    def cupti_walk(addr, valid):  # stands in for cuptiActivityGetNextRecord: the true sizes
-        return (*records.walk(ctypes.string_at(addr, valid), truth), valid)
+    def cupti_walk(addr, valid, limit=None):  # stands in for cuptiActivityGetNextRecord: the true sizes
+        offs, kinds = records.walk(ctypes.string_at(addr, valid), truth)
+        if limit is not None and len(offs) > limit:
+            return offs[:limit], kinds[:limit], None
+        return offs, kinds, valid
 
     session = _Session.__new__(_Session)
     session.shim, session.version, session.notes = fresh_shim(shim_build, tmp_path), 120800, []
@@ -312,6 +315,14 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
     assert session.layout.sizes == {KIND_RUNTIME: 40, KIND_CONCURRENT_KERNEL: 216}
     assert offsets(memset(1, 2, 3, 4) + api(1, 2, 3)) == [0, 88]  # a kind first seen later is learned
     assert session.layout.sizes[KIND_MEMSET] == 88
+    # CUPTI's walk checks the first VALIDATE_RECORDS records only; a kind first seen beyond them is learned
+    # from a whole walk, and every record of the buffer comes out
+    from overshoot.record.cupti.collector import VALIDATE_RECORDS
+
+    session.layout, session.validated = None, False
+    long = api(1, 2, 3) * (VALIDATE_RECORDS + 10) + memcpy(4, 5, 6, 7) + api(8, 9, 10)
+    assert len(offsets(long)) == VALIDATE_RECORDS + 12 and session.validated
+    assert session.layout.sizes[KIND_MEMCPY] == len(memcpy(4, 5, 6, 7))
 
 
 

@@ -49,6 +49,7 @@ API_FILTER = "all runtime+driver API records; launch, graph, copy and set calls 
 # forced to let go, and an engine that launches a step late leaves the GPU idle. The sleep lets a waiting
 # engine thread take the GIL at once.
 PARSE_SLICE = 8192
+VALIDATE_RECORDS = 4096  # CUPTI's own walk of this many records checks the size table
 GIL_YIELD_S = 0.0002
 
 
@@ -149,14 +150,34 @@ class _Session:
             self.cupti.call("cuptiActivityEnable" if on else "cuptiActivityDisable", kind)
 
     def offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
-        """Record offsets of one buffer: the C size walk, checked against CUPTI's own walk on the first
-        buffer, and again (learning the sizes it lacks) whenever the table does not walk a buffer."""
+        """Record offsets of one buffer: the C size walk, checked against CUPTI's own walk of the first
+        VALIDATE_RECORDS records of the first buffer (a ctypes call a record: a whole 8 MB buffer took the
+        drain thread 0.2-0.6 s on the H200), or of the whole buffer when the prefix does not settle it, and
+        again (learning the sizes it lacks) whenever the table does not walk a buffer."""
         if self.validated and self.layout is not None:
             try:
                 return self.shim.walk(addr, valid, self.layout.sizes)
             except records.LayoutError:
                 pass  # a kind the table lacks: learn its size from CUPTI below rather than lose the buffer
-        offs, kinds, end = self.cupti.next_record_offsets(addr, valid)
+        for limit in (VALIDATE_RECORDS, None):
+            walked, offs, kinds, end = self._check(addr, valid, limit)
+            if walked is not None:
+                self.validated = True
+                return walked
+            if len(offs) < VALIDATE_RECORDS:  # CUPTI's walk ended before the limit: it was the whole walk
+                break
+        # no size table walks like CUPTI: take CUPTI's walk, buffer by buffer (slower)
+        self.layout = self.layout or records.CUPTI_13_0.with_sizes(
+            records.learn_sizes(offs, kinds, end), f"learned (CUPTI {self.version})")
+        note = "the size walk disagrees with cuptiActivityGetNextRecord: CUPTI's walk is used"
+        if note not in self.notes:
+            self.notes.append(note)
+        return offs, kinds
+
+    def _check(self, addr: int, valid: int, limit: int | None):
+        """The C walk if a size table walks like CUPTI's first `limit` records (else None), and CUPTI's walk:
+        offsets, kinds and where its last record ends (None: unknown)."""
+        offs, kinds, end = self.cupti.next_record_offsets(addr, valid, limit)
         learned = records.learn_sizes(offs, kinds, end)
         base = self.layout or records.CUPTI_13_0.with_sizes({}, f"learned (CUPTI {self.version})")
         walked = None
@@ -165,7 +186,7 @@ class _Session:
                 ours = self.shim.walk(addr, valid, sizes)
             except records.LayoutError:
                 continue
-            # CUPTI's walk stops at an incomplete record; ours goes on: theirs must be our prefix
+            # CUPTI's walk stops at an incomplete record or the limit; ours goes on: theirs must be our prefix
             if len(ours[0]) >= len(offs) and np.array_equal(ours[0][:len(offs)], offs):
                 walked = ours
                 if sizes is not base.sizes:
@@ -173,14 +194,7 @@ class _Session:
                     name = base.name if base.name.startswith("learned") else base.name + "+"
                     self.layout = base.with_sizes(sizes, name)
                 break
-        if walked is None:  # no size table walks like CUPTI: take CUPTI's walk, buffer by buffer (slower)
-            self.layout = self.layout or base.with_sizes({**base.sizes, **learned}, base.name)
-            note = "the size walk disagrees with cuptiActivityGetNextRecord: CUPTI's walk is used"
-            if note not in self.notes:
-                self.notes.append(note)
-            return offs, kinds
-        self.validated = True
-        return walked
+        return walked, offs, kinds, end
 
     def name(self, pointer: int) -> str:
         text = self.names.get(pointer)

@@ -278,15 +278,19 @@ class Cupti:
     def fnptr(self, name: str) -> int:
         return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
 
-    def next_record_offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    def next_record_offsets(self, addr: int, valid: int,
+                            limit: int | None = None) -> tuple[np.ndarray, np.ndarray, int | None]:
         """CUPTI's own walk (cuptiActivityGetNextRecord, one ctypes call a record): offsets, kinds, and the
-        end of the last record: `valid`, or None when an incomplete record stopped the walk (then the
-        last record's size is unknown)."""
+        end of the last record: `valid`, or None when an incomplete record or `limit` records stopped the
+        walk (then the last record's size is unknown)."""
         rec = ctypes.c_void_p(None)
         offs, kinds = [], []
         f = self.lib.cuptiActivityGetNextRecord
         end: int | None = valid
         while True:
+            if limit is not None and len(offs) >= limit:
+                end = None
+                break
             rc = f(addr, valid, ctypes.byref(rec))
             if rc == CUPTI_ERROR_MAX_LIMIT_REACHED:
                 break
