@@ -6,7 +6,9 @@ manager cached per label, built to cost about what the begin/end pair costs (rec
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
 idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT
 (record/lifecycle.py). A flush between steps is recorded as a busy span labelled
-"overshoot:flush" at step -1, so its cost is visible and never inflates a step.
+"overshoot:flush" at step -1, so its cost is visible and never inflates a step's busy time. In a GPU-bound
+stretch (the last step waited >= 0.2 ms) a due flush runs instead at the start of the next wait, where the
+thread waits anyway (its span lies inside that wait), when it took at most half the last wait before.
 
 Semantics (docs/contracts.md section 1):
 - a step lasts from `step_begin` to the next `step_begin`, `step_end`, `idle_begin` or `close`;
