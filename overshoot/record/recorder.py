@@ -286,13 +286,18 @@ class Recorder:
                 self._emit_span(old, kind, self._st_label[d], self._st_start[d], t - self._st_start[d])
                 self._st_start[d] = t
 
-    def _flush_between_steps(self, t: int) -> int:
+    def _timed_flush(self, t: int) -> int:
+        """Flush from `t`; visible in the trace as an `overshoot:flush` span at step -1 (the engine thread
+        spent this time in overshoot). Returns when it ended."""
         self.flush()
         t_after = perf_counter_ns()
         self._flush_ns = t_after - t
-        # Visible in the trace: the engine thread spent this time in overshoot, outside any step.
         self._emit_span(-1, BUSY, FLUSH_LABEL, t, t_after - t)
-        for d in range(min(self._depth, MAX_DEPTH)):
+        return t_after
+
+    def _flush_between_steps(self, t: int) -> int:
+        t_after = self._timed_flush(t)
+        for d in range(min(self._depth, MAX_DEPTH)):  # the spans open at `t` start after the flush
             if self._st_start[d] == t:
                 self._st_start[d] = t_after
         if self._wait_depth and self._wait_start == t:
@@ -352,11 +357,7 @@ class Recorder:
         as a wake-up would). A flush is also recorded as an `overshoot:flush` span at step -1."""
         work, self._wait_work = self._wait_work, 0
         if work == FLUSH:
-            t = perf_counter_ns()
-            self.flush()
-            t_after = perf_counter_ns()
-            self._flush_ns = t_after - t
-            self._emit_span(-1, BUSY, FLUSH_LABEL, t, t_after - t)
+            self._timed_flush(perf_counter_ns())
             return
         ring = self._ring
         if not ring or ring.write_head == ring.resolve_head or not self._flush_lock.acquire(blocking=False):
