@@ -103,6 +103,11 @@ def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
         return timed_round(engine, batch, tokens, prompt_len)
 
 
+def _ms(info: dict, key: str) -> float:
+    """A time in ms from a process record's kernel_timing (0 where the mode has no kernel timing)."""
+    return float(info.get(key) or 0.0)
+
+
 def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
     """Decode steps recorded in a mode's run directory, with GPU intervals and with kernel records, and what
     the kernel windows cost by the run's own account: the switches (less the collector's once-a-process
@@ -119,8 +124,8 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
     steps = joined_steps(run)
     decode = steps[steps["phase"] == "decode"].sort_values("start_ns")
     switch = run.spans[run.spans["label"] == "overshoot:kernel-timing"]["dur_ns"]
-    sampler = next((p["kernel_timing"] for p in run.processes if p.get("kernel_timing")), None)
-    setup_ms = float((sampler or {}).get("setup_ms") or 0.0)
+    sampler = next((p["kernel_timing"] for p in run.processes if p.get("kernel_timing")), None) or {}
+    setup_ms = _ms(sampler, "setup_ms")
     start = decode["start_ns"].to_numpy()
     affected = np.zeros(len(decode), bool)
     for lo, hi in run.kernel_windows[["start_ns", "end_ns"]].itertuples(index=False):
@@ -142,16 +147,14 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
         at = np.searchsorted(waits["start_ns"].to_numpy(), flushes["start_ns"].to_numpy(), side="right") - 1
         wait_end = (waits["start_ns"] + waits["dur_ns"]).to_numpy()[np.maximum(at, 0)]
         in_wait = int(((at >= 0) & ((flushes["start_ns"] + flushes["dur_ns"]).to_numpy() <= wait_end)).sum())
-    drain_ms = float((sampler or {}).get("drain_ms") or 0.0)
     return {"decode_steps": int(len(decode)),
             "with_gpu": int(decode["gpu_ms"].notna().sum()) if cuda else None,
             "with_kernels": int((decode["gpu_timing"] == "kernels").sum()), "switch_ms": switch_ms,
             "switches": int(len(switch)), "setup_ms": setup_ms, "windows_excess_ms": excess_ms,
             "run_ms": hooked_ms, "flush_ms": flush_ms, "flushes": int(len(flushes)),
-            "flushes_in_wait": in_wait, "drain_ms": drain_ms,
-            "drain_ms_max": float((sampler or {}).get("drain_ms_max") or 0.0),
-            "flush_all_ms": float(((sampler or {}).get("collector") or {}).get("flush_all_ms") or 0.0),
-            "drain_cpu_ms": float((sampler or {}).get("drain_cpu_ms") or 0.0),
+            "flushes_in_wait": in_wait, "drain_ms": _ms(sampler, "drain_ms"),
+            "drain_ms_max": _ms(sampler, "drain_ms_max"), "drain_cpu_ms": _ms(sampler, "drain_cpu_ms"),
+            "flush_all_ms": _ms(sampler.get("collector") or {}, "flush_all_ms"),
             "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 

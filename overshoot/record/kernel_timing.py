@@ -120,7 +120,7 @@ class KernelSampler:
         self.setup_ns = 0  # the collector's set-up inside its first enable (once a process)
         # The drain thread's own time (collect, filter, hand over), mostly holding the GIL: the engine thread
         # can wait for it, so its total and longest stretch are part of what the mode costs.
-        self.drains, self.drain_ns_total, self.drain_ns_max, self.drain_cpu_ns = 0, 0, 0, 0
+        self.drains, self.drain_ns_total, self.drain_ns_max = 0, 0, 0
         # Its CPU time by the window open or last opened when a delivery began: while it holds the GIL a
         # CPU-bound engine thread waits, in slices of the switch interval (5 ms), possibly long after the
         # steps counted in `_after`. A window's cost is at least what the windows before cost it (median).
@@ -314,7 +314,6 @@ class KernelSampler:
             self.recorder.kernel_spans(columns)
         took = perf_counter_ns() - t
         cpu = time.thread_time_ns() - cpu  # its wall time also counts its waits for the GIL
-        self.drain_cpu_ns += cpu
         self._drain_cpu_by_window[window] = self._drain_cpu_by_window.get(window, 0) + cpu
         self.drains += 1
         self.drain_ns_total += took
@@ -378,7 +377,8 @@ class KernelSampler:
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
                 "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
-                "drain_ms_max": self.drain_ns_max / 1e6, "drain_cpu_ms": self.drain_cpu_ns / 1e6,
+                "drain_ms_max": self.drain_ns_max / 1e6,
+                "drain_cpu_ms": sum(self._drain_cpu_by_window.values()) / 1e6,
                 "collector": self.collector.describe()}
 
 

@@ -49,8 +49,8 @@ API_FILTER = "all runtime+driver API records; launch, graph, copy and set calls 
 # forced to let go, and an engine that launches a step late leaves the GPU idle. The sleep lets a waiting
 # engine thread take the GIL at once.
 PARSE_SLICE = 8192
-VALIDATE_RECORDS = 4096  # CUPTI's own walk of this many records checks the size table
 GIL_YIELD_S = 0.0002
+VALIDATE_RECORDS = 4096  # CUPTI's own walk of this many records checks the size table
 
 
 def unavailable_reason(*, cuda: bool) -> str | None:
