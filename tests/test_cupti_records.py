@@ -248,7 +248,8 @@ def test_the_shim_exports_what_native_binds(shim_build):
     for name in ("ovs_monotonic_ns", "ovs_configure", "ovs_set_dropped_fn", "ovs_buffer_requested",
                  "ovs_buffer_completed", "ovs_take_completed", "ovs_num_completed", "ovs_buffer_size",
                  "ovs_recycle", "ovs_release_free", "ovs_stats", "ovs_clock_pairs", "ovs_walk",
-                 "ovs_gather"):
+                 "ovs_gather", "ovs_api_callback", "ovs_calls_setup", "ovs_calls_switch", "ovs_calls_swap",
+                 "ovs_calls_release", "ovs_calls_stats"):
         assert hasattr(lib, name), name
 
 

@@ -1,24 +1,28 @@
 """CuptiCollector: the default kernel-timing collector (record/kernel_timing.py's Collector protocol).
 
 Costs by caller:
-- engine thread, at a step boundary: `enable()` / `disable()` switch five CUPTI activity kinds (five ctypes
-  calls; 0.11 / 0.07 ms on the H200, CUPTI's own work); never a synchronize or a flush. The first
-  `enable()` of the process also sets CUPTI up (_Session: load libcupti, build or load the shim, register
-  callbacks; 0.3 s with a first build of the shim). While enabled CUPTI adds work to every launch: +1.3 to
-  1.5 µs a tiny eager launch on the H200 (benchmarks/cupti_probe.py, 2026-12-04).
+- engine thread, at a step boundary: `enable()` / `disable()` switch three CUPTI activity kinds (kernels,
+  copies, sets) and the launch callbacks (one C loop); never a synchronize or a flush. The first `enable()`
+  of the process also sets CUPTI up (_Session: load libcupti, build or load the shim, register callbacks;
+  0.3 s with a first build of the shim).
+- engine thread, while enabled: CUPTI's work at every launch, and the shim's launch callback (calls.c): it
+  records the launch, graph launch, copy and set calls only, with their correlation ids, in C.
 - drain thread, every ~0.5 s: `collect()` flushes completed buffers, walks them in C, parses with numpy,
-  joins each kernel to its launch call by correlation id (records.LaunchJoin): no Python per record, only
-  per buffer and per unique kernel name. A GPU record whose call has not arrived waits up to two collects,
-  then goes out with NaN launch times; `final` forces the flush and lets nothing wait.
-CUPTI's state is per process (one activity client, callbacks that cannot be unregistered), so it is set up
-once per process (`_Session`) and shared by the collectors of successive recorders, one enabled at a time.
-All runtime and driver API records are taken; only those of calls that put work on the GPU (launches,
-graph launches, copies, sets) are joined to kernels, the rest are dropped when parsed.
+  takes the shim's calls and joins each kernel to its call by correlation id (records.LaunchJoin): no
+  Python per record, only per buffer and per unique kernel name. A GPU record whose call has not arrived
+  waits up to two collects, then goes out with NaN launch times; `final` forces the flush and lets nothing
+  wait.
+CUPTI's state is per process (one activity client, one callback subscriber, callbacks that cannot be
+unregistered), so it is set up once per process (`_Session`) and shared by the collectors of successive
+recorders, one enabled at a time. Where CUPTI refuses the subscriber (another tool holds it) or
+OVERSHOOT_CUPTI_CALLS=activity, the calls come from CUPTI's runtime and driver API activity records
+instead: every call is recorded and the launches are picked out in numpy, at several times the cost.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -43,7 +47,8 @@ GPU_KINDS = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET)
 API_KINDS = (KIND_RUNTIME, KIND_DRIVER)
 CARRY_COLLECTS = 2  # GPU records wait this many collects for their launch record before going without
 KEEP_CALLS_COLLECTS = 4  # launch calls wait this many for their GPU records (kernels lag by the queue)
-API_FILTER = "all runtime+driver API records; launch, graph, copy and set calls kept (numpy)"
+API_FILTER = {True: "launch, graph, copy and set calls only, by CUPTI callbacks (C)",
+              False: "all runtime+driver API activity records; launch, graph, copy, set calls kept (numpy)"}
 # The drain thread parses a buffer's records in slices and sleeps this long between slices and stages: a
 # thread that holds the GIL makes the engine thread wait up to the switch interval (5 ms) before it is
 # forced to let go, and an engine that launches a step late leaves the GPU idle. The sleep lets a waiting
@@ -126,6 +131,16 @@ class _Session:
             self.notes.append(str(e))
         c.call("cuptiActivityRegisterCallbacks", self.shim.fnptr("ovs_buffer_requested"),
                self.shim.fnptr("ovs_buffer_completed"))
+        self.calls = False  # launch calls from the shim's callback (else from API activity records)
+        if os.environ.get("OVERSHOOT_CUPTI_CALLS", "callbacks") != "activity":
+            subscriber = ctypes.c_void_p()
+            try:
+                c.call("cuptiSubscribe", ctypes.byref(subscriber), self.shim.fnptr("ovs_api_callback"), None)
+                self.shim.setup_calls(c.fnptr("cuptiEnableCallback"), subscriber.value,
+                                      records.launch_call_ids())
+                self.calls = True
+            except native.CuptiError as e:
+                self.notes.append(f"launch callbacks refused ({e}): API activity records are used")
         self.clock = [self.sample_clock()]
         if self.monotonic and abs(self.clock[0].offset_ns) > self.clock[0].error_ns + 1000:
             # accepted but not in effect (another CUPTI client came first?): map CUPTI's clock instead
@@ -139,15 +154,23 @@ class _Session:
         return records.best_bracket(before, cupti, after)
 
     def set_enabled(self, on: bool) -> None:
-        # All runtime and driver calls are recorded and the launches picked out in numpy: switching the
-        # others off one by one (cuptiActivityEnableRuntimeApi) made each launch cost more, not less
-        # (+3.1 against +1.3 µs a launch on the H200, 2026-12-03), and enabling only the launch cbids
-        # without the kind recorded no API records at all (CUPTI 13.0.85).
+        # Without the callback, all runtime and driver calls are recorded and the launches picked out in
+        # numpy: switching the others off one by one (cuptiActivityEnableRuntimeApi) made each launch cost
+        # more, not less (+3.1 against +1.3 µs a launch on the H200, 2026-12-03).
         # Calls are switched on before GPU work and off after it, so a kernel never lacks its call because
         # another thread launched it between two of these switches.
-        kinds = API_KINDS + GPU_KINDS if on else GPU_KINDS + API_KINDS
-        for kind in kinds:
+        api = () if self.calls else API_KINDS
+        if on and self.calls:
+            self._switch_calls(True)
+        for kind in (api + GPU_KINDS if on else GPU_KINDS + api):
             self.cupti.call("cuptiActivityEnable" if on else "cuptiActivityDisable", kind)
+        if not on and self.calls:
+            self._switch_calls(False)
+
+    def _switch_calls(self, on: bool) -> None:
+        rc = self.shim.switch_calls(on)
+        if rc != native.CUPTI_SUCCESS:
+            raise native.CuptiError(f"cuptiEnableCallback -> {rc} ({self.cupti.err(rc)})")
 
     def offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
         """Record offsets of one buffer: the C size walk, checked against CUPTI's own walk of the first
@@ -228,11 +251,11 @@ class CuptiCollector:
         if s is None:
             return {"backend": "cupti"}
         return {"backend": "cupti (native shim)", "libcupti": s.cupti.path, "cupti_version": s.version,
-                "layout": s.layout.name if s.layout else None, "api_filter": API_FILTER,
+                "layout": s.layout.name if s.layout else None, "api_filter": API_FILTER[s.calls],
                 "clock": "CLOCK_MONOTONIC callback" if s.monotonic else "CUPTI clock, mapped",
                 "clock_error_ns": max(c.error_ns for c in s.clock), "notes": list(s.notes),
                 "invalid_records": self._join.invalid, "flush_all_ms": self.flush_all_ns / 1e6,
-                "shim": s.shim.stats()}
+                "shim": {**s.shim.stats(), **(s.shim.calls_stats() if s.calls else {})}}
 
     def enable(self) -> None:
         """Engine thread, step boundary: five ctypes calls into CUPTI, ~0.1 ms (the first call also sets
@@ -285,6 +308,8 @@ class CuptiCollector:
                 for addr, _ in buffers:
                     if addr:
                         s.shim.lib.ovs_recycle(addr)
+            if s.calls:  # after the flush: every call of a kernel flushed so far has returned
+                api_parts.append(records.call_columns(s.shim.take_calls()))
             if not s.monotonic:
                 s.clock.append(s.sample_clock())
             gpu, match, calls = self._join.step(gpu_parts, api_parts, final=final)
@@ -299,12 +324,14 @@ class CuptiCollector:
         else:
             def to_host(x: np.ndarray) -> np.ndarray:
                 return records.to_host_clock(x, s.clock)
+        # the shim's calls are timed on the host clock already; API activity records on CUPTI's
+        call_to_host = (lambda x: x.astype(np.int64)) if getattr(s, "calls", False) else to_host
         has = match >= 0
         launch_start = np.full(len(match), np.nan)
         launch_end = np.full(len(match), np.nan)
         if has.any():
-            launch_start[has] = to_host(api["start"][match[has]])
-            launch_end[has] = to_host(api["end"][match[has]])
+            launch_start[has] = call_to_host(api["start"][match[has]])
+            launch_end[has] = call_to_host(api["end"][match[has]])
         kind = pa.DictionaryArray.from_arrays(pa.array(gpu["gpu_kind"].astype(np.int32)),
                                               pa.array(KIND_NAMES, pa.string()))
         return {"kind": kind, "name": CuptiCollector._names(s, gpu), "stream": gpu["stream"].astype(np.int64),

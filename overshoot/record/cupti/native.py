@@ -1,4 +1,4 @@
-"""The native side of kernel timing: find libcupti, compile the C shim (shim.c) once, ctypes bindings.
+"""The native side of kernel timing: find libcupti, compile the C shim (shim.c, calls.c) once; ctypes.
 
 The shim is compiled with the system C compiler (as Triton compiles its launchers) into a cache directory
 (`$OVERSHOOT_CACHE`, else `$XDG_CACHE_HOME/overshoot` or `~/.cache/overshoot`), named by a hash of its source
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from overshoot.record.cupti.records import LayoutError
+from overshoot.record.cupti.records import CALL_DTYPE, LayoutError
 
-SHIM_SOURCE = Path(__file__).with_name("shim.c")
+SHIM_SOURCES = (Path(__file__).with_name("shim.c"), Path(__file__).with_name("calls.c"))
 CUPTI_SUCCESS, CUPTI_ERROR_MAX_LIMIT_REACHED, CUPTI_ERROR_INVALID_KIND = 0, 12, 21
 
 
@@ -57,7 +57,7 @@ def build_shim(out_dir: str | None = None) -> str:
     compiler = find_c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc, clang or $CC) to build the CUPTI shim")
-    source = SHIM_SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SHIM_SOURCES)
     tag = hashlib.sha256(source + platform.machine().encode() + platform.system().encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = os.path.join(out_dir, f"libovs_cupti_shim_{tag}.so")
@@ -65,8 +65,8 @@ def build_shim(out_dir: str | None = None) -> str:
         return target
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = os.path.join(tmp, "shim.so")
-        done = subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-Wall", "-o", built, str(SHIM_SOURCE),
-                               "-lpthread"], capture_output=True, text=True)
+        done = subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-Wall", "-o", built,
+                               *map(str, SHIM_SOURCES), "-lpthread"], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the CUPTI shim did not compile: {done.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: concurrent processes never load a half-written file
@@ -115,6 +115,19 @@ class Shim:
         L.ovs_walk.restype = ctypes.c_long
         L.ovs_gather.argtypes = [vp, i64p, sz, sz, sz, vp]
         L.ovs_gather.restype = None
+        L.ovs_calls_setup.argtypes = [vp, vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint32),
+                                      ctypes.c_int]
+        L.ovs_calls_setup.restype = ctypes.c_int
+        L.ovs_calls_switch.argtypes = [ctypes.c_int]
+        L.ovs_calls_switch.restype = ctypes.c_int
+        L.ovs_calls_swap.argtypes = [ctypes.POINTER(vp), ctypes.POINTER(sz)]
+        L.ovs_calls_swap.restype = sz
+        L.ovs_calls_release.argtypes = [vp, sz]
+        L.ovs_calls_release.restype = None
+        L.ovs_calls_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        L.ovs_calls_stats.restype = None
+        L.ovs_api_callback.argtypes = [vp, ctypes.c_int, ctypes.c_uint32, vp]
+        L.ovs_api_callback.restype = None
 
     def fnptr(self, name: str) -> int:
         return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
@@ -151,6 +164,36 @@ class Shim:
         if len(offsets):
             self.lib.ovs_gather(buf.ctypes.data, offsets, len(offsets), field_offset, size, out.ctypes.data)
         return out
+
+    def setup_calls(self, enable_fnptr: int, subscriber: int, domain_cbids: list[tuple[int, int]]) -> None:
+        """The (domain, cbid) pairs `switch_calls` turns on and off through cuptiEnableCallback."""
+        n = len(domain_cbids)
+        domains = (ctypes.c_int * n)(*(d for d, _ in domain_cbids))
+        cbids = (ctypes.c_uint32 * n)(*(c for _, c in domain_cbids))
+        if self.lib.ovs_calls_setup(enable_fnptr, subscriber, domains, cbids, n) != 0:
+            raise RuntimeError(f"too many call ids for the shim: {n}")
+
+    def switch_calls(self, on: bool) -> int:
+        """CUPTI's first error code (0: every call id switched)."""
+        return self.lib.ovs_calls_switch(1 if on else 0)
+
+    def take_calls(self) -> np.ndarray:
+        """The launch calls recorded since the last take (records.CALL_DTYPE), copied out of the shim."""
+        ptr, capacity = ctypes.c_void_p(), ctypes.c_size_t()
+        n = self.lib.ovs_calls_swap(ctypes.byref(ptr), ctypes.byref(capacity))
+        try:
+            if not n:
+                return np.zeros(0, CALL_DTYPE)
+            raw = (ctypes.c_uint8 * (n * CALL_DTYPE.itemsize)).from_address(ptr.value)
+            return np.frombuffer(raw, CALL_DTYPE).copy()
+        finally:
+            if ptr.value:
+                self.lib.ovs_calls_release(ptr, capacity.value)
+
+    def calls_stats(self) -> dict:
+        arr = (ctypes.c_int64 * 3)()
+        self.lib.ovs_calls_stats(arr)
+        return {"calls_lost": arr[0], "calls_unpaired": arr[1], "calls_pending": arr[2]}
 
     def clock_pairs(self, ts_fnptr: int, n: int):
         b = np.empty(n, np.int64)
@@ -241,6 +284,8 @@ class Cupti:
             "cuptiActivityGetNextRecord": [vp, sz, ctypes.POINTER(vp)],
             "cuptiActivityGetNumDroppedRecords": [vp, u32, ctypes.POINTER(sz)],
             "cuptiFinalize": [],
+            "cuptiSubscribe": [ctypes.POINTER(vp), vp, vp],
+            "cuptiEnableCallback": [u32, vp, ctypes.c_int, u32],
         }
         self.missing = []
         for name, args in sig.items():

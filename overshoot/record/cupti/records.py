@@ -34,6 +34,11 @@ DRIVER_LAUNCH_CBIDS = {
     478: "cuLaunchCooperativeKernel_ptsz", 514: "cuGraphLaunch", 515: "cuGraphLaunch_ptsz",
     652: "cuLaunchKernelEx", 653: "cuLaunchKernelEx_ptsz",
 }
+# The API domains of CUPTI's callback API (cupti_callbacks.h)
+DOMAIN_DRIVER, DOMAIN_RUNTIME = 1, 2
+# A launch call recorded by the shim's callback (calls.c, ovs_call): on the host clock already
+CALL_DTYPE = np.dtype([("cbid", "<u4"), ("correlation", "<u4"), ("thread_id", "<u4"), ("driver", "<u4"),
+                       ("start", "<i8"), ("end", "<i8")])
 MEMCPY_KINDS = {0: "?", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
                 8: "DtoD", 9: "HtoH", 10: "PtoP"}
 KERNEL, MEMCPY, MEMSET = 0, 1, 2  # gpu_kind codes
@@ -158,6 +163,19 @@ def parse(raw, layout: RecordLayout, offsets: np.ndarray, kinds: np.ndarray, *,
     api = _gather(buf, offsets[calls], layout.api, copy)
     api["driver"] = kinds[calls] == KIND_DRIVER
     return gpu, api
+
+
+def call_columns(calls: np.ndarray) -> dict:
+    """The shim's launch calls (CALL_DTYPE) as the API columns `parse` gives."""
+    return {"cbid": calls["cbid"].copy(), "start": calls["start"].copy(), "end": calls["end"].copy(),
+            "thread_id": calls["thread_id"].copy(), "correlation": calls["correlation"].copy(),
+            "driver": calls["driver"] != 0}
+
+
+def launch_call_ids() -> list[tuple[int, int]]:
+    """(domain, cbid) of every call that puts work on the GPU: what the shim's callback is enabled for."""
+    return ([(DOMAIN_RUNTIME, c) for c in sorted(RUNTIME_LAUNCH_CBIDS)]
+            + [(DOMAIN_DRIVER, c) for c in sorted(DRIVER_LAUNCH_CBIDS)])
 
 
 def concat(parts: list[dict]) -> dict:
