@@ -180,6 +180,44 @@ def test_the_collector_set_up_does_not_space_windows_as_if_every_switch_cost_it(
     assert 100 <= info["setup_ms"] < 150 and info["switch_ms"] >= info["setup_ms"]
 
 
+class PreparedOffThread(VirtualCollector):
+    """A collector whose once-a-process set-up takes 150 ms (CUPTI's first enable: 50-240 ms)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared_at = 0
+        self.thread = None
+
+    def prepare(self) -> None:
+        import threading
+
+        self.thread = threading.current_thread().name
+        time.sleep(0.15)
+        self.prepared_at = perf_counter_ns()
+
+
+def test_sampled_mode_sets_the_collector_up_on_the_drain_thread_and_opens_windows_after(tmp_path):
+    collector = PreparedOffThread()
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
+    sampler = rec._sampler = KernelSampler(rec, collector, mode="sampled", window_steps=8, min_gap=32,
+                                           budget=0.05, drain_seconds=0.05)
+    gpu_free, longest, start = 0, 0, perf_counter_ns()
+    while perf_counter_ns() - start < 400_000_000:
+        t = perf_counter_ns()
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+        longest = max(longest, perf_counter_ns() - t)
+    info = sampler.info()
+    rec.close()
+    run = load_run(tmp_path / "r")
+    assert collector.thread == "overshoot-kernels"
+    assert longest < 50_000_000  # no step waited for the set-up
+    assert info["prepare_ms"] >= 150 and info["setup_ms"] == 0 and sampler.windows >= 1
+    assert run.kernel_windows["start_ns"].min() >= collector.prepared_at
+
+
 class SlowAfterWindow(VirtualCollector):
     """Slows the host for a few steps after each window, as parsing a window's records did on the H200."""
 

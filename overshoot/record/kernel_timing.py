@@ -12,7 +12,8 @@ Modes: "kernels" records every step (one window for the whole run). "sampled" re
 time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
 that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
-every group of a load sweep gets kernel data.
+every group of a load sweep gets kernel data. In sampled mode the collector's once-a-process set-up
+(`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it.
 
 A window closes at a step boundary, but the collector is switched off only once the GPU has finished the
 work launched inside it (`fence`: the CUDA end event of the latest step, queried without waiting; at most
@@ -57,6 +58,8 @@ class Collector(Protocol):
     def disable(self) -> None: ...  # engine thread, at a step boundary
     def collect(self, *, final: bool = False) -> dict | None: ...  # kernels-table columns, host clock
     def close(self) -> None: ...
+    # Optional, `prepare(self) -> None`: the collector's once-a-process set-up, which sampled mode runs on
+    # the drain thread before its first window (the first window waits for it; the engine thread does not).
 
 
 def cupti_collector() -> Collector:
@@ -126,6 +129,11 @@ class KernelSampler:
         # steps counted in `_after`. A window's cost is at least what the windows before cost it (median).
         self._drain_cpu_by_window: dict[int, int] = {}
         self._seen: set[tuple] = set()
+        # Sampled mode sets the collector up on the drain thread; its windows open once that is done.
+        self._prepared = threading.Event()
+        self.prepare_ns = 0
+        if mode != "sampled" or not hasattr(collector, "prepare"):
+            self._prepared.set()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._closed = False
@@ -157,7 +165,7 @@ class KernelSampler:
         self._steps_since += 1
         due = self._steps_since >= self._gap or (
             self._steps_since >= self.min_gap and (phase, batch_size) not in self._seen)
-        if self.windows == 0 or due:
+        if (self.windows == 0 or due) and self._prepared.is_set():
             self._seen.add((phase, batch_size))
             self._steps_in_window = 1
             return self._open_window(t)
@@ -286,6 +294,16 @@ class KernelSampler:
     # ---- drain thread ----
 
     def _drain_loop(self, seconds: float) -> None:
+        if not self._prepared.is_set():
+            t = perf_counter_ns()
+            try:
+                self.collector.prepare()
+            except Exception as e:  # no window ever opens: the run goes on with events
+                self.recorder._io.note_error(f"kernel timing not started: {type(e).__name__}: {e}")
+                return
+            finally:
+                self.prepare_ns = perf_counter_ns() - t
+            self._prepared.set()
         seen_offs, after_off = 0, 0
         while not self._stop.is_set():
             self._wake.wait(seconds)
@@ -376,6 +394,7 @@ class KernelSampler:
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
+                "prepare_ms": self.prepare_ns / 1e6,
                 "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
                 "drain_ms_max": self.drain_ns_max / 1e6,
                 "drain_cpu_ms": sum(self._drain_cpu_by_window.values()) / 1e6,
