@@ -8,11 +8,13 @@ Per configuration (the case study's, benchmarks/case_study_table.py), one proces
 generates the same greedy requests in rounds: each round runs plain and hooked with each GPU timing mode, in
 an order that rotates from round to round (engine_hooks.reference.SPEC installed by the patcher), so every way
 shares the weights, the graphs and the machine's state. Each mode keeps one Recorder (one run directory) over
-all its rounds, as a served engine keeps one over a run: sampled mode's windows are spaced over the whole
-run, not restarted every round. Reported per batch and mode, with the round as the unit (plain and hooked
-of one round are a pair): the ratio of hooked to plain time summed over rounds (the cost averaged over a
-run), a 90% bootstrap interval of it over rounds, and the median of the per-round ratios. Each mode's run
-directory is read back: decode steps recorded, with a GPU interval, and with kernel records. With
+all its rounds, as a served engine keeps one over a run: sampled mode's windows are spaced over the whole run,
+not restarted every round. Between its rounds a mode's recorder is paused (Recorder.pause): CUPTI off, and the
+other rounds' time does not count toward its flush interval, so it flushes as often per step as in a served
+engine, not once a second of everybody's rounds. Reported per batch and mode, with the round as the unit
+(plain and hooked of one round are a pair): the ratio of hooked to plain time summed over rounds (the cost
+averaged over a run), a 90% bootstrap interval of it over rounds, and the median of the per-round ratios. Each
+mode's run directory is read back: decode steps recorded, with a GPU interval, and with kernel records. With
 --profiler, one last round runs under torch.profiler (CUDA activity only) for its cost on the same steps
 (last: it takes over CUPTI). Several configurations run one process each. Prints a table last; writes
 hook_overhead.json under --out."""
@@ -82,13 +84,13 @@ class HookedMode:
                 # process, so a short generation opens it before the first timed round.
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
             else:
-                self.recorder.resume_kernel_timing()
+                self.recorder.resume()
             return timed_round(engine, batch, tokens, prompt_len)
         finally:
             # CUPTI left on would slow the plain rounds and the other modes' too (kernels mode's one window
             # spans its whole run); the round ended synchronized, so no kernel of it is still running.
             if self.recorder is not None:
-                self.recorder.pause_kernel_timing()
+                self.recorder.pause()
             patcher.reset()
 
     def close(self) -> None:

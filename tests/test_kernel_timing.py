@@ -330,12 +330,12 @@ def test_paused_kernel_timing_records_nothing_between_recorded_stretches(tmp_pat
     gpu_free = 0
     for stretch in range(3):
         if stretch:
-            rec.resume_kernel_timing()
+            rec.resume()
         for _ in range(10):
             rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
             gpu_free = collector.launch(gpu_free)
         rec.step_end()
-        rec.pause_kernel_timing()
+        rec.pause()
         assert not collector.on
         for _ in range(5):  # unrecorded work between stretches (a plain round): its kernels are not taken
             gpu_free = collector.launch(gpu_free)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from time import perf_counter_ns
 
@@ -293,6 +294,30 @@ def test_default_recorder_flushes_within_a_second_while_stepping(tmp_path):
     assert total < 256 and 0.7 * total < visible < total
 
 
+def test_paused_time_does_not_count_toward_the_flush_interval(tmp_path):
+    """hook_overhead's recorders see a quarter of the rounds: the time of the others must not make them
+    flush four times as often per step as in a served engine."""
+    def flushes(pause: bool) -> int:
+        rec = Recorder(tmp_path / str(pause), engine="test", flush_steps=10_000, flush_seconds=0.2)
+        for _ in range(4):
+            for _ in range(5):
+                rec.step_begin()
+                spin(1000)
+            rec.step_end()
+            if pause:
+                rec.pause()
+            time.sleep(0.12)  # unrecorded work
+            if pause:
+                rec.resume()
+        rec.step_begin()
+        rec.close()
+        spans = load_run(tmp_path / str(pause)).spans
+        return int((spans["label"] == "overshoot:flush").sum())
+
+    assert flushes(pause=True) == 0  # 21 ms of recorded time: no flush due before close
+    assert flushes(pause=False) >= 2
+
+
 def test_recorder_json_meta_and_unique_tags(tmp_path):
     info = {"hooks": [{"target": "engine.step", "status": "ok", "reason": None}], "server": "demo"}
     a = Recorder(tmp_path, engine="eng", thread_tag="engine/0", process_info=info)
@@ -564,9 +589,9 @@ def test_gpu_bound_waits_resolve_the_events_the_flush_would(tmp_path, wait_us):
 
 @pytest.mark.parametrize("wait_us", [3000, 0])
 def test_a_due_flush_runs_inside_the_next_wait_of_a_gpu_bound_stretch(tmp_path, wait_us):
-    """A flush due after a step that waited >= 0.2 ms, and at least twice the last flush's time, runs at the
-    start of the next wait (its time part of that wait), not between steps; after steps that did not wait it
-    runs between steps. Every step and span is written either way."""
+    """A flush due after a step that waited >= 0.2 ms, and at least 1.25 times the last flush's time, runs at
+    the start of the next wait (its time part of that wait), not between steps; after steps that did not wait
+    it runs between steps. Every step and span is written either way."""
     rec = Recorder(tmp_path, engine="t", flush_seconds=0.0)  # a flush is due at every boundary
     for _ in range(30):
         rec.step_begin(batch_size=1, phase="decode")

@@ -8,7 +8,7 @@ idle begin (at most every 10 ms, for engines that poll), on close, atexit and SI
 (record/lifecycle.py). A flush between steps is recorded as a busy span labelled
 "overshoot:flush" at step -1, so its cost is visible and never inflates a step's busy time. In a GPU-bound
 stretch (the last step waited >= 0.2 ms) a due flush runs instead at the start of the next wait, where the
-thread waits anyway (its span lies inside that wait), when it took at most half the last wait before.
+thread waits anyway (its span lies inside that wait), when it took at most 80% of the last wait before.
 
 Semantics (docs/contracts.md section 1):
 - a step lasts from `step_begin` to the next `step_begin`, `step_end`, `idle_begin` or `close`;
@@ -49,9 +49,12 @@ from overshoot.record.writer import RecorderIO
 
 FLUSH_LABEL = "overshoot:flush"
 # A step that waited this long on the GPU marks a GPU-bound stretch: the next wait does the recorder's own
-# work (a due flush when it fits in half the last wait, else resolving finished steps' CUDA events) while the
-# thread waits anyway, instead of between steps, where it delays the next launch.
+# work (a due flush when it fits in the last wait with FLUSH_IN_WAIT_MARGIN to spare, else resolving
+# finished steps' CUDA events) while the thread waits anyway, instead of between steps, where it delays the
+# next launch.
+# A flush that outlasts the wait delays the step by the difference only; one between steps, by all of it.
 WORK_IN_WAIT_NS = 200_000
+FLUSH_IN_WAIT_MARGIN = 1.25
 RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wait
 RESOLVE, FLUSH = 1, 2  # values of `_wait_work`: what the next wait does (0: nothing)
 # events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
@@ -85,7 +88,7 @@ class Recorder:
         "_step", "_next_step", "_step_start", "_step_wait", "_wait_work", "_flush_ns", "_batch", "_tokens",
         "_phase", "_facts",
         "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows",
-        "_flush_lock", "_flushing_ident", "_last_flush_ns", "_closed",
+        "_flush_lock", "_flushing_ident", "_last_flush_ns", "_paused_at", "_closed",
         "_k_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
         "busy", "_wait_scopes", "_idle_scope",
     )
@@ -180,6 +183,7 @@ class Recorder:
         self._flush_lock = threading.Lock()
         self._flushing_ident: int | None = None
         self._last_flush_ns = perf_counter_ns()
+        self._paused_at = 0  # pause(): when the recorder stopped seeing the process's work
         self._closed = False
         # `rec.busy(label)` is the scope cache's own __getitem__: a C call, no Python frame (scopes.py).
         self.busy = ScopeCache(lambda label: self._scope(BUSY, label)).__getitem__
@@ -270,7 +274,7 @@ class Recorder:
             self._nvtx.end_step(self._nvtx_step)
         long_wait = waited >= WORK_IN_WAIT_NS
         if n + 1 >= self._steps_cap or t - self._last_flush_ns >= self._flush_interval_ns:
-            if long_wait and waited >= 2 * self._flush_ns and n + 2 < self._steps_cap:
+            if long_wait and waited >= FLUSH_IN_WAIT_MARGIN * self._flush_ns and n + 2 < self._steps_cap:
                 self._wait_work = FLUSH
                 return t
             self._wait_work = 0
@@ -425,13 +429,19 @@ class Recorder:
 
     # ---- GPU ----
 
-    def pause_kernel_timing(self) -> None:
-        """Kernel timing's collector off while this process runs GPU work that is not recorded (between
-        hooked stretches; benchmarks/hook_overhead.py), until `resume_kernel_timing`."""
+    def pause(self) -> None:
+        """This process runs work that is not recorded (between hooked stretches; benchmarks/hook_overhead.py
+        runs plain and other modes' rounds there), until `resume`: kernel timing's collector goes off, and
+        the time in between does not count toward the flush interval, so a recorder that sees a quarter of
+        the rounds flushes as often per step as it would in a served engine. Call between steps."""
         if self._sampler is not None:
             self._sampler.pause()
+        self._paused_at = perf_counter_ns()
 
-    def resume_kernel_timing(self) -> None:
+    def resume(self) -> None:
+        if self._paused_at:
+            self._last_flush_ns += perf_counter_ns() - self._paused_at
+            self._paused_at = 0
         if self._sampler is not None:
             self._sampler.resume()
 
