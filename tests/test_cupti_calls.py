@@ -148,3 +148,35 @@ def test_collect_joins_buffered_kernels_to_the_callbacks_calls(shim):
     assert t0 <= start[0] <= end[0] <= t1 and t1 <= start[1] <= end[1] <= t2
     assert np.isnan(start[2]) and np.isnan(end[2])  # no call carried 99
     assert len(shim.take_calls()) == 0  # collect took them
+
+
+def test_the_drain_path_never_imports_pandas():
+    """pyarrow's `pa.array`, even of a numpy array, imports pandas on first use: ~0.3 s with the GIL held,
+    which on the H200 was the drain thread's slowest delivery and slowed the engine's next steps. The
+    collector's columns, the sampler's row filter and the kernels batch are built from buffers instead."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys
+from types import SimpleNamespace
+import numpy as np
+from test_cupti_records import api, kernel, memcpy, parsed
+from overshoot.record.cupti import records
+from overshoot.record.cupti.collector import CuptiCollector
+from overshoot.record.kernel_timing import _take
+from overshoot.record.writer import kernel_batch
+session = SimpleNamespace(monotonic=True, clock=[], calls=True, name=lambda p: "gemm")
+g, a = parsed(api(100, 110, 7), kernel(120, 150, 3, 7), memcpy(300, 320, 5, 9, copy_kind=2))
+out, match, calls = records.LaunchJoin().step([g], [a], final=True)
+cols = CuptiCollector._rows(session, out, match, calls)
+cols = {k: _take(v, np.array([1, 0])) for k, v in cols.items()}
+batch = kernel_batch(cols)
+assert batch.num_rows == 2 and cols["name"].to_pylist() == ["memcpy DtoH", "gemm"], cols["name"]
+print("pandas" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -406,8 +406,10 @@ def _take(values, rows):
     import numpy as np
     import pyarrow as pa
 
+    from overshoot.record.writer import int_column
+
     if isinstance(values, list):
         return [values[i] for i in rows]
     if isinstance(values, pa.Array):
-        return values.take(pa.array(rows))
+        return values.take(int_column(rows, pa.int64()))
     return np.asarray(values)[rows]

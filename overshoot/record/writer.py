@@ -64,6 +64,15 @@ def column(values: list, arrow_type: pa.DataType, *, nullable: bool = True) -> p
     return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)], null_count=nulls)
 
 
+def int_column(values, arrow_type: pa.DataType | None = None) -> pa.Array:
+    """An Arrow int32/int64 array from a numpy array (or sequence of ints), built from its buffer: even
+    `pa.array(ndarray)` imports pandas on first use, which the CUPTI drain thread must not do while holding
+    the GIL (~0.3 s on the H200, 2026-12-04)."""
+    arrow_type = arrow_type or pa.int32()
+    data = np.ascontiguousarray(values, dtype={pa.int32(): np.int32, pa.int64(): np.int64}[arrow_type])
+    return pa.Array.from_buffers(arrow_type, len(data), [None, pa.py_buffer(data)])
+
+
 def _phase_column(phase: list) -> pa.Array:
     """Step phases; anything that is not a string (None: not given) is "unknown"."""
     if None not in phase:  # the usual case: every step set its phase (a C-level scan, no Python loop)

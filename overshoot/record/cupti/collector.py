@@ -40,6 +40,7 @@ from overshoot.record.cupti.records import (
     MEMCPY_KINDS,
 )
 from overshoot.record.errors import KernelTimingError
+from overshoot.record.writer import column, int_column
 
 BUFFER_BYTES = 8 << 20
 PREALLOCATED_BUFFERS = 8
@@ -356,8 +357,8 @@ class CuptiCollector:
         if has.any():
             launch_start[has] = call_to_host(api["start"][match[has]])
             launch_end[has] = call_to_host(api["end"][match[has]])
-        kind = pa.DictionaryArray.from_arrays(pa.array(gpu["gpu_kind"].astype(np.int32)),
-                                              pa.array(KIND_NAMES, pa.string()))
+        kind = pa.DictionaryArray.from_arrays(int_column(gpu["gpu_kind"]),
+                                              column(list(KIND_NAMES), pa.string(), nullable=False))
         return {"kind": kind, "name": CuptiCollector._names(s, gpu), "stream": gpu["stream"].astype(np.int64),
                 "correlation": gpu["correlation"].astype(np.int64), "launch_start_ns": launch_start,
                 "launch_end_ns": launch_end, "gpu_start_ns": to_host(gpu["start"]),
@@ -381,7 +382,7 @@ class CuptiCollector:
         if sets.any():
             codes[sets] = len(words)
             words.append("memset")
-        return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(words, pa.string()))
+        return pa.DictionaryArray.from_arrays(int_column(codes), column(words, pa.string(), nullable=False))
 
     def close(self) -> None:
         """Drop what is left and free the idle buffers. CUPTI's callbacks stay registered: CUPTI has no
