@@ -135,8 +135,8 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
         affected[first:last + 24] = True
     ms = decode["step_ms"].to_numpy()
     plain_ms = float(np.median(ms[~affected])) if (~affected).any() else float("nan")
-    # a round's last step lasts until the mode's next round (the hooks are off in between): capped
-    excess_ms = float(np.minimum(ms[affected], 20 * plain_ms).sum() - affected.sum() * plain_ms) \
+    # a round's last step ends where the round did (Recorder.pause), not at the mode's next round
+    excess_ms = float(ms[affected].sum() - affected.sum() * plain_ms) \
         if affected.any() and (~affected).any() else 0.0
     switch_ms = float(switch.sum() / 1e6)
     # The engine thread's flushes (spans between steps) and the CUPTI drain thread's time: where a mode's

@@ -218,6 +218,24 @@ def test_sampled_mode_sets_the_collector_up_on_the_drain_thread_and_opens_window
     assert run.kernel_windows["start_ns"].min() >= collector.prepared_at
 
 
+def test_a_long_step_of_another_kind_after_a_window_is_no_cost_of_it(tmp_path):
+    """Steps inside and after a window are set against plain steps of their own phase and batch size: a
+    prefill (25 decode steps long) that follows a window is not the window's cost, so a collector that costs
+    nothing keeps its windows at the minimum gap. The sampler is driven with set step times (no machine
+    noise): decode steps of 0.2 ms, a prefill of 5 ms every 12th step."""
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
+    sampler = KernelSampler(rec, VirtualCollector(), mode="sampled", window_steps=8, min_gap=32,
+                            budget=0.05, drain_seconds=60)
+    t = perf_counter_ns()
+    for i in range(800):
+        prefill = i % 12 == 0
+        t = sampler.at_step(t, 1, "prefill" if prefill else "decode") + (5_000_000 if prefill else 200_000)
+    sampler.close()
+    rec.close()
+    # counted against the decode median, each prefill after a window would space the next ~480 steps away
+    assert sampler.windows >= 15, sampler.windows
+
+
 class SlowAfterWindow(VirtualCollector):
     """Slows the host for a few steps after each window, as parsing a window's records did on the H200."""
 

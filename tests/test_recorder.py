@@ -303,7 +303,6 @@ def test_paused_time_does_not_count_toward_the_flush_interval(tmp_path):
             for _ in range(5):
                 rec.step_begin()
                 spin(1000)
-            rec.step_end()
             if pause:
                 rec.pause()
             time.sleep(0.12)  # unrecorded work
@@ -316,6 +315,9 @@ def test_paused_time_does_not_count_toward_the_flush_interval(tmp_path):
 
     assert flushes(pause=True) == 0  # 21 ms of recorded time: no flush due before close
     assert flushes(pause=False) >= 2
+    steps = load_run(tmp_path / "True").steps
+    duration_ms = (steps["end_ns"] - steps["start_ns"]) / 1e6
+    assert len(steps) == 21 and duration_ms.max() < 50  # the last step of a stretch ends at pause()
 
 
 def test_recorder_json_meta_and_unique_tags(tmp_path):

@@ -112,11 +112,15 @@ class KernelSampler:
         self._gap = min_gap
         self._last_t = 0
         self._plain = deque(maxlen=window_steps)  # durations of the last plain steps
-        self._inside: list[int] = []
+        # ... and of each (phase, batch size): a step inside or after a window is set against plain steps
+        # of its own kind (a prefill after a window is no slowdown of decode steps)
+        self._plain_of: dict[tuple, deque] = {}
+        self._key: tuple = (None, None)  # (phase, batch size) of the step running now
+        self._inside: list[tuple[int, tuple]] = []  # (duration, key)
         # Steps from the window's close until `window_steps` plain steps after the collector went off: on
         # the H200 they ran 2-6 ms slower each in an eager engine (the drain thread parsing the window's
         # records holds the GIL), a cost of the window as much as its switches.
-        self._after: list[int] = []
+        self._after: list[tuple[int, tuple]] = []
         self._after_left = 0
         self._switch_ns = 0  # time the last window's two switches took (between steps, on the engine thread)
         self.switch_ns_total = 0  # every switch, the first enable's set-up included
@@ -145,16 +149,17 @@ class KernelSampler:
 
     def at_step(self, t: int, batch_size: int | None, phase: str | None) -> int:
         """Called by step_begin at `t`; returns the time the step starts (after any switch)."""
+        key, self._key = self._key, (phase, batch_size)  # the step that ends at `t`, the one that starts
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
             if self._last_t:  # a step still under the collector is neither plain nor inside a window
-                self._after.append(t - self._last_t)
+                self._after.append((t - self._last_t, key))
             self._last_t = t
             self._closing_steps += 1
             if self._closing_steps < self.close_steps and not self._fence_done():
                 return t
             return self._switch_off(t)
         if self._last_t:
-            self._count_step(t - self._last_t)
+            self._count_step(t - self._last_t, key)
         self._last_t = t
         if self._on:
             self._steps_in_window += 1
@@ -171,16 +176,20 @@ class KernelSampler:
             return self._open_window(t)
         return t
 
-    def _count_step(self, duration: int) -> None:
+    def _count_step(self, duration: int, key: tuple) -> None:
         if self._on:
-            self._inside.append(duration)
+            self._inside.append((duration, key))
         elif self._after_left > 0:  # just after a window: its records are being parsed, a cost of it
-            self._after.append(duration)
+            self._after.append((duration, key))
             self._after_left -= 1
             if self._after_left == 0:
                 self._gap = self._next_gap()
         else:
             self._plain.append(duration)
+            same = self._plain_of.get(key)
+            if same is None:
+                same = self._plain_of[key] = deque(maxlen=self.window_steps)
+            same.append(duration)
 
     def pause(self) -> None:
         """Collector off while the host runs work it does not record (no steps: the unhooked rounds of
@@ -273,18 +282,22 @@ class KernelSampler:
         """Plain steps before the next window, so that what a window cost (its steps' slowdown, its two
         switches and the excess of the steps after it or, if larger, the drain thread's CPU time for its
         records, measured) is `budget` of the time until the next one; at least min_gap. Medians inside: one
-        preempted step must not move the spacing."""
+        preempted step must not move the spacing. Each step inside or after the window is set against the
+        plain steps of its phase and batch size; one of a kind with no plain step yet is not counted (the
+        drain thread's measured CPU time still bounds the window's cost from below)."""
         inside = self._inside[1:]  # the first step after switching on carries the switch
         # Before any plain step (the first window opens at once) the steps inside stand for plain ones.
-        baseline = list(self._plain) or inside
+        baseline = list(self._plain) or [d for d, _ in inside]
         if not baseline:
             return self.min_gap
         plain = statistics.median(baseline)
         if plain <= 0:
             return self.min_gap
-        ratio = max(statistics.median(inside) / plain - 1.0, 0.0) if inside and self._plain else 0.0
+        medians = {key: statistics.median(d) for key, d in self._plain_of.items() if d}
+        slowed = [d / medians[key] for d, key in inside if medians.get(key)]
+        ratio = max(statistics.median(slowed) - 1.0, 0.0) if slowed else 0.0
         self.cost_ratio = ratio
-        after_ns = max(0.0, sum(self._after) - len(self._after) * plain)
+        after_ns = max(0.0, sum(d - medians[key] for d, key in self._after if medians.get(key)))
         # this window's records may not be parsed yet: the earlier windows' parses stand in for them
         parsed = [cpu for w, cpu in list(self._drain_cpu_by_window.items()) if w < self.windows]
         drain_ns = statistics.median(parsed) if parsed and self.mode == "sampled" else 0

@@ -433,7 +433,9 @@ class Recorder:
         """This process runs work that is not recorded (between hooked stretches; benchmarks/hook_overhead.py
         runs plain and other modes' rounds there), until `resume`: kernel timing's collector goes off, and
         the time in between does not count toward the flush interval, so a recorder that sees a quarter of
-        the rounds flushes as often per step as it would in a served engine. Call between steps."""
+        the rounds flushes as often per step as it would in a served engine. The open step ends here: the
+        unrecorded work is no part of it."""
+        self.step_end()
         if self._sampler is not None:
             self._sampler.pause()
         self._paused_at = perf_counter_ns()
