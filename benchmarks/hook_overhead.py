@@ -16,7 +16,9 @@ engine, not once a second of everybody's rounds. Reported per batch and mode, wi
 averaged over a run), a 90% bootstrap interval of it over rounds, and the median of the per-round ratios. Each
 mode's run directory is read back: decode steps recorded, with a GPU interval, and with kernel records. With
 --profiler, one last round runs under torch.profiler (CUDA activity only) for its cost on the same steps
-(last: it takes over CUPTI). Several configurations run one process each. Prints a table last; writes
+(last: it takes over CUPTI). With --attach-check-s, plain rounds before any mode and after all of them show
+whether a process with CUPTI attached (all off) runs slower. Several configurations run one process each.
+Prints a table last; writes
 hook_overhead.json under --out."""
 
 from __future__ import annotations
@@ -96,6 +98,15 @@ class HookedMode:
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
+
+
+def plain_block(engine, batch: int, args, seconds: float) -> list[float]:
+    """Plain rounds for `seconds` (at least 3 when seconds > 0): ms per token of each."""
+    times: list[float] = []
+    end = time.monotonic() + seconds
+    while seconds > 0 and (time.monotonic() < end or len(times) < 3):
+        times.append(timed_round(engine, batch, args.tokens, args.prompt_len))
+    return times
 
 
 def profiled_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
@@ -192,6 +203,12 @@ def measure_config(name: str, args) -> dict:
     engine = Engine(config_from_args(serve_args))
     engine.generate([[5, 6, 7]] * max(args.batches), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rows = []
+    # CUPTI, once attached to the process, stays (its subscriber and callbacks cannot be removed), so the
+    # plain rounds after a CUPTI mode's first round run in an attached process. Plain rounds before any and
+    # after all of them show whether that alone costs (drift between the two blocks included).
+    batch0 = args.batches[0]
+    timed_round(engine, batch0, args.tokens, args.prompt_len)
+    before = plain_block(engine, batch0, args, args.attach_check_s)
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
@@ -218,6 +235,10 @@ def measure_config(name: str, args) -> dict:
                              for m in args.modes}}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
+        after = plain_block(engine, batch0, args, args.attach_check_s)
+        if before and after:
+            rows[0]["attach"] = {"before_ms": statistics.median(before), "after_ms": statistics.median(after),
+                                 "rounds": [len(before), len(after)]}
         if args.profiler and cuda:
             for row in rows:
                 ms = profiled_round(engine, row["batch"], args.tokens, args.prompt_len)
@@ -269,6 +290,11 @@ def print_table(results: list[dict], args) -> None:
                 for m, r in row["modes"].items())
             print(f"{row['config']:22} {row['batch']:>5} {row['rounds_done']:>6} {row['plain_ms']:8.3f} "
                   + " ".join(cells) + f"  {recorded}")
+            if "attach" in row:
+                a = row["attach"]
+                print(f"{'':22} plain rounds before any mode {a['before_ms']:.3f} ms, after all "
+                      f"{a['after_ms']:.3f} ms ({a['after_ms'] / a['before_ms']:.3f}x; {a['rounds'][0]} and "
+                      f"{a['rounds'][1]} rounds)")
         if "error" in result:
             print(f"{result['config']:22} error: {result['error']}")
 
@@ -288,6 +314,8 @@ def main() -> int:
     parser.add_argument("--profiler", action="store_true", help="also time one torch.profiler round")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="per configuration and batch: stop starting rounds after this many seconds")
+    parser.add_argument("--attach-check-s", type=float, default=0.0,
+                        help="plain rounds for this long before any mode and after all (CUPTI attached)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this configuration here
     args = parser.parse_args()
@@ -307,6 +335,7 @@ def main() -> int:
         argv = ["--preset", args.preset, "--modes", ",".join(args.modes), "--rounds", str(args.rounds),
                 "--batches", ",".join(map(str, args.batches)), "--tokens", str(args.tokens),
                 "--prompt-len", str(args.prompt_len), "--budget-s", str(args.budget_s),
+                "--attach-check-s", str(args.attach_check_s),
                 *(["--profiler"] if args.profiler else [])]
         done = subprocess.run([sys.executable, __file__, *argv, "--one", name], cwd=ROOT, capture_output=True,
                               text=True)
