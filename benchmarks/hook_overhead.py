@@ -18,8 +18,7 @@ mode's run directory is read back: decode steps recorded, with a GPU interval, a
 --profiler, one last round runs under torch.profiler (CUDA activity only) for its cost on the same steps
 (last: it takes over CUPTI). With --attach-check-s, plain rounds before any mode and after all of them show
 whether a process with CUPTI attached (all off) runs slower. Several configurations run one process each.
-Prints a table last; writes
-hook_overhead.json under --out."""
+Prints a table last; writes hook_overhead.json under --out."""
 
 from __future__ import annotations
 
