@@ -357,6 +357,10 @@ def test_paused_kernel_timing_records_nothing_between_recorded_stretches(tmp_pat
         assert not collector.on
         for _ in range(5):  # unrecorded work between stretches (a plain round): its kernels are not taken
             gpu_free = collector.launch(gpu_free)
+        time.sleep(0.3)  # the drain thread hands over what is left, then rests
+        drains = rec._sampler.drains
+        time.sleep(0.3)
+        assert rec._sampler.drains == drains  # no flush while paused: nothing to take the GIL for
     rec.close()
     run = load_run(tmp_path / "r")
     assert collector.enables == 3 and len(run.kernels) == 30

@@ -197,6 +197,8 @@ class KernelSampler:
         self._paused = self._on or self._closing is not None
         if self._paused:
             self._call(self.collector.disable)
+            self._switch_offs += 1  # the drain thread delivers what is left, then rests until resume
+            self._wake.set()
 
     def resume(self) -> None:
         if self._paused:
@@ -326,9 +328,9 @@ class KernelSampler:
             offs = self._switch_offs
             if offs > seen_offs:  # a window's collector went off: CUPTI hands over a buffer only once all
                 seen_offs, after_off = offs, 3  # its records are complete, so look a few more times
-            # Between windows the collector is off and has nothing left to hand over: no flush, no work
-            # on this thread that could take the GIL from the engine thread.
-            if self._on or self._closing is not None or after_off > 0:
+            # Between windows (or paused) the collector is off and has nothing left to hand over: no flush,
+            # no work on this thread that could take the GIL from the engine thread.
+            if (self._on and not self._paused) or self._closing is not None or after_off > 0:
                 after_off = max(after_off - 1, 0)
                 self._deliver(final=False)
 
