@@ -8,8 +8,8 @@
 
    The callback runs on the launching thread, inside CUPTI, and never takes the GIL: on entry it pushes
    (correlation id, time) on a per-thread stack; on exit it pops the entry of the same correlation id (a
-   runtime launch and the driver launch it makes share one) and appends a call to a growable array under a
-   mutex held for the append only. The drain thread swaps the array out (ovs_calls_swap) and hands it back
+   runtime launch and the driver launch it makes share one, and only the outer, runtime call is kept) and
+   appends a call to a growable array under a mutex held for the append only. The drain thread swaps the array out (ovs_calls_swap) and hands it back
    (ovs_calls_release). An exit whose entry was not seen (callbacks switched on mid-call) is counted, not
    recorded. Times are CLOCK_MONOTONIC, the clock of Python's time.perf_counter_ns(). */
 #define _GNU_SOURCE
@@ -76,6 +76,8 @@ void ovs_api_callback(void *userdata, int domain, uint32_t cbid, const void *dat
   }
   int64_t start = tls.t[i];
   tls.n = i;
+  /* The driver launch a runtime launch makes carries its correlation id: the runtime call stands for both */
+  if (i > 0 && tls.corr[i - 1] == corr) return;
   if (!tls.tid) tls.tid = (uint32_t)syscall(SYS_gettid);
   pthread_mutex_lock(&cmu);
   if (n_calls == cap_calls) {
