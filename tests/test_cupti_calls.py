@@ -116,9 +116,10 @@ def test_collect_joins_buffered_kernels_to_the_callbacks_calls(shim):
     """A whole collect(): kernel and copy records in an activity buffer that CUPTI hands over through the
     shim's buffer callbacks, their launches through the call callback; launch times are the callback's host
     times, GPU times go through the session's clock."""
-    from overshoot.record.cupti.collector import CuptiCollector, _Session
+    from overshoot.record.cupti.collector import CuptiCollector
+    from overshoot.record.cupti.session import Session
 
-    session = _Session.__new__(_Session)
+    session = Session.__new__(Session)
     session.shim, session.layout, session.validated, session.notes = shim, CUPTI_13_0, True, []
     session.monotonic, session.clock, session.calls, session.names = True, [], True, {0xABC: "gemm"}
     session.cupti = SimpleNamespace(call=lambda name, *args: 0)  # cuptiActivityFlushAll: nothing held back

@@ -292,7 +292,7 @@ def test_the_shim_brackets_a_timestamp_source(shim_build, tmp_path):
 
 
 def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_it_lacks(shim_build, tmp_path):
-    from overshoot.record.cupti.collector import _Session
+    from overshoot.record.cupti.session import Session
 
     truth = {**CUPTI_13_0.sizes}
 
@@ -302,7 +302,7 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
             return offs[:limit], kinds[:limit], None
         return offs, kinds, valid
 
-    session = _Session.__new__(_Session)
+    session = Session.__new__(Session)
     session.shim, session.version, session.notes = fresh_shim(shim_build, tmp_path), 120800, []
     session.layout, session.validated = None, False
     session.cupti = SimpleNamespace(next_record_offsets=cupti_walk)
@@ -318,7 +318,7 @@ def test_the_session_checks_its_size_table_against_cuptis_walk_and_learns_what_i
     assert session.layout.sizes[KIND_MEMSET] == 88
     # CUPTI's walk checks the first VALIDATE_RECORDS records only; a kind first seen beyond them is learned
     # from a whole walk, and every record of the buffer comes out
-    from overshoot.record.cupti.collector import VALIDATE_RECORDS
+    from overshoot.record.cupti.session import VALIDATE_RECORDS
 
     session.layout, session.validated = None, False
     long = api(1, 2, 3) * (VALIDATE_RECORDS + 10) + memcpy(4, 5, 6, 7) + api(8, 9, 10)

@@ -3,7 +3,7 @@
 Costs by caller:
 - engine thread, at a step boundary: `enable()` / `disable()` switch three CUPTI activity kinds (kernels,
   copies, sets) and the launch callbacks (one C loop); never a synchronize or a flush. The first `enable()`
-  of the process also sets CUPTI up (_Session: load libcupti, build or load the shim, register callbacks;
+  of the process also sets CUPTI up (Session: load libcupti, build or load the shim, register callbacks;
   0.3 s with a first build of the shim).
 - engine thread, while enabled: CUPTI's work at every launch, and the shim's launch callback (calls.c): it
   records the launch, graph launch, copy and set calls only, with their correlation ids, in C.
@@ -12,17 +12,15 @@ Costs by caller:
   Python per record, only per buffer and per unique kernel name. A GPU record whose call has not arrived
   waits up to two collects, then goes out with NaN launch times; `final` forces the flush and lets nothing
   wait.
-CUPTI's state is per process (one activity client, one callback subscriber, callbacks that cannot be
-unregistered), so it is set up once per process (`_Session`) and shared by the collectors of successive
-recorders, one enabled at a time. Where CUPTI refuses the subscriber (another tool holds it) or
-OVERSHOOT_CUPTI_CALLS=activity, the calls come from CUPTI's runtime and driver API activity records
-instead: every call is recorded and the launches are picked out in numpy, at several times the cost.
+CUPTI is set up once per process (session.py) and shared by the collectors of successive recorders, one
+enabled at a time. Where CUPTI refuses the callback's subscriber, the calls come from CUPTI's runtime and
+driver API activity records instead: every call is recorded and the launches are picked out in numpy, at
+several times the cost.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 
@@ -31,32 +29,21 @@ import pyarrow as pa
 
 from overshoot.record.cupti import native, records
 from overshoot.record.cupti.records import (
-    KIND_CONCURRENT_KERNEL,
-    KIND_DRIVER,
-    KIND_MEMCPY,
-    KIND_MEMSET,
     KIND_NAMES,
-    KIND_RUNTIME,
     MEMCPY_KINDS,
 )
+from overshoot.record.cupti.session import API_FILTER, BUFFER_BYTES, PREALLOCATED_BUFFERS, Session
 from overshoot.record.errors import KernelTimingError
 from overshoot.record.writer import column, int_column
 
-BUFFER_BYTES = 8 << 20
-PREALLOCATED_BUFFERS = 8
-GPU_KINDS = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET)
-API_KINDS = (KIND_RUNTIME, KIND_DRIVER)
 CARRY_COLLECTS = 2  # GPU records wait this many collects for their launch record before going without
 KEEP_CALLS_COLLECTS = 4  # launch calls wait this many for their GPU records (kernels lag by the queue)
-API_FILTER = {True: "launch, graph, copy and set calls only, by CUPTI callbacks (C)",
-              False: "all runtime+driver API activity records; launch, graph, copy, set calls kept (numpy)"}
 # The drain thread parses a buffer's records in slices and sleeps this long between slices and stages: a
 # thread that holds the GIL makes the engine thread wait up to the switch interval (5 ms) before it is
 # forced to let go, and an engine that launches a step late leaves the GPU idle. The sleep lets a waiting
 # engine thread take the GIL at once.
 PARSE_SLICE = 8192
 GIL_YIELD_S = 0.0002
-VALIDATE_RECORDS = 4096  # CUPTI's own walk of this many records checks the size table
 
 
 def unavailable_reason(*, cuda: bool) -> str | None:
@@ -71,168 +58,11 @@ def unavailable_reason(*, cuda: bool) -> str | None:
     return None
 
 
-class _Session:
-    """CUPTI set up once per process: library, shim, timestamp source, buffer callbacks, layout."""
-
-    _lock = threading.Lock()
-    _instance: _Session | None = None
-    enabled_once = False  # CUPTI's first activity enable in this process has happened
-
-    @classmethod
-    def get(cls) -> _Session:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def __init__(self):
-        paths = native.find_libcupti()
-        errors = []
-        self.cupti = None
-        for path in paths:
-            try:
-                lib = native.Cupti(path)
-            except OSError as e:
-                errors.append(f"{path}: {e}")
-                continue
-            if lib.missing:
-                errors.append(f"{path}: lacks {', '.join(lib.missing)}")
-                continue
-            self.cupti = lib
-            break
-        if self.cupti is None:
-            raise KernelTimingError("cannot load libcupti (" + ("; ".join(errors) or "not found") + ")")
-        try:
-            self.shim = native.Shim(native.build_shim())
-        except (RuntimeError, OSError) as e:
-            raise KernelTimingError(str(e)) from None
-        c = self.cupti
-        self.version = c.version()
-        self.layout = records.layout_for_version(self.version)
-        self.validated = False
-        self.notes: list[str] = []
-        try:
-            c.call("cuptiSetThreadIdType", 1)  # SYSTEM: thread ids are threading.get_native_id()
-        except native.CuptiError as e:
-            self.notes.append(str(e))
-        # Before any kind is enabled (cupti_activity.h): records then come out on CLOCK_MONOTONIC.
-        try:
-            c.call("cuptiActivityRegisterTimestampCallback", self.shim.fnptr("ovs_monotonic_ns"))
-            self.monotonic = True
-        except native.CuptiError as e:
-            self.monotonic = False
-            self.notes.append(f"timestamp callback refused ({e}): CUPTI's clock is mapped")
-        self.shim.lib.ovs_set_dropped_fn(c.fnptr("cuptiActivityGetNumDroppedRecords"))
-        self.shim.lib.ovs_configure(BUFFER_BYTES, PREALLOCATED_BUFFERS)
-        one, size = ctypes.c_uint8(1), ctypes.c_size_t(1)
-        try:  # our buffers come zeroed: CUPTI need not clear them on the application's thread
-            c.call("cuptiActivitySetAttribute", 5, ctypes.byref(size), ctypes.cast(ctypes.byref(one),
-                                                                                   ctypes.c_void_p))
-        except native.CuptiError as e:
-            self.notes.append(str(e))
-        c.call("cuptiActivityRegisterCallbacks", self.shim.fnptr("ovs_buffer_requested"),
-               self.shim.fnptr("ovs_buffer_completed"))
-        self.calls = False  # launch calls from the shim's callback (else from API activity records)
-        if os.environ.get("OVERSHOOT_CUPTI_CALLS", "callbacks") != "activity":
-            subscriber = ctypes.c_void_p()
-            try:
-                c.call("cuptiSubscribe", ctypes.byref(subscriber), self.shim.fnptr("ovs_api_callback"), None)
-                self.shim.setup_calls(c.fnptr("cuptiEnableCallback"), subscriber.value,
-                                      records.launch_call_ids())
-                self.calls = True
-            except native.CuptiError as e:
-                self.notes.append(f"launch callbacks refused ({e}): API activity records are used")
-        self.clock = [self.sample_clock()]
-        if self.monotonic and abs(self.clock[0].offset_ns) > self.clock[0].error_ns + 1000:
-            # accepted but not in effect (another CUPTI client came first?): map CUPTI's clock instead
-            self.monotonic = False
-            self.notes.append(f"timestamp callback not in effect (offset {self.clock[0].offset_ns} ns): "
-                              "CUPTI's clock is mapped")
-        self.names: dict[int, str] = {}
-
-    def sample_clock(self, n: int = 200) -> records.ClockSample:
-        before, cupti, after = self.shim.clock_pairs(self.cupti.fnptr("cuptiGetTimestamp"), n)
-        return records.best_bracket(before, cupti, after)
-
-    def set_enabled(self, on: bool) -> None:
-        # Without the callback, all runtime and driver calls are recorded and the launches picked out in
-        # numpy: switching the others off one by one (cuptiActivityEnableRuntimeApi) made each launch cost
-        # more, not less (+3.1 against +1.3 µs a launch on the H200, 2026-12-03).
-        # Calls are switched on before GPU work and off after it, so a kernel never lacks its call because
-        # another thread launched it between two of these switches.
-        api = () if self.calls else API_KINDS
-        if on and self.calls:
-            self._switch_calls(True)
-        for kind in (api + GPU_KINDS if on else GPU_KINDS + api):
-            self.cupti.call("cuptiActivityEnable" if on else "cuptiActivityDisable", kind)
-        if not on and self.calls:
-            self._switch_calls(False)
-
-    def _switch_calls(self, on: bool) -> None:
-        rc = self.shim.switch_calls(on)
-        if rc != native.CUPTI_SUCCESS:
-            raise native.CuptiError(f"cuptiEnableCallback -> {rc} ({self.cupti.err(rc)})")
-
-    def offsets(self, addr: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
-        """Record offsets of one buffer: the C size walk, checked against CUPTI's own walk of the first
-        VALIDATE_RECORDS records of the first buffer (a ctypes call a record: a whole 8 MB buffer took the
-        drain thread 0.2-0.6 s on the H200), or of the whole buffer when the prefix does not settle it, and
-        again (learning the sizes it lacks) whenever the table does not walk a buffer."""
-        if self.validated and self.layout is not None:
-            try:
-                return self.shim.walk(addr, valid, self.layout.sizes)
-            except records.LayoutError:
-                pass  # a kind the table lacks: learn its size from CUPTI below rather than lose the buffer
-        for limit in (VALIDATE_RECORDS, None):
-            walked, offs, kinds, end = self._check(addr, valid, limit)
-            if walked is not None:
-                self.validated = True
-                return walked
-            if len(offs) < VALIDATE_RECORDS:  # CUPTI's walk ended before the limit: it was the whole walk
-                break
-        # no size table walks like CUPTI: take CUPTI's walk, buffer by buffer (slower)
-        self.layout = self.layout or records.CUPTI_13_0.with_sizes(
-            records.learn_sizes(offs, kinds, end), f"learned (CUPTI {self.version})")
-        note = "the size walk disagrees with cuptiActivityGetNextRecord: CUPTI's walk is used"
-        if note not in self.notes:
-            self.notes.append(note)
-        return offs, kinds
-
-    def _check(self, addr: int, valid: int, limit: int | None):
-        """The C walk if a size table walks like CUPTI's first `limit` records (else None), and CUPTI's walk:
-        offsets, kinds and where its last record ends (None: unknown)."""
-        offs, kinds, end = self.cupti.next_record_offsets(addr, valid, limit)
-        learned = records.learn_sizes(offs, kinds, end)
-        base = self.layout or records.CUPTI_13_0.with_sizes({}, f"learned (CUPTI {self.version})")
-        walked = None
-        for sizes in (base.sizes, {**base.sizes, **learned}):
-            try:
-                ours = self.shim.walk(addr, valid, sizes)
-            except records.LayoutError:
-                continue
-            # CUPTI's walk stops at an incomplete record or the limit; ours goes on: theirs must be our prefix
-            if len(ours[0]) >= len(offs) and np.array_equal(ours[0][:len(offs)], offs):
-                walked = ours
-                if sizes is not base.sizes:
-                    self.notes.append(f"record sizes learned: {learned}")
-                    name = base.name if base.name.startswith("learned") else base.name + "+"
-                    self.layout = base.with_sizes(sizes, name)
-                break
-        return walked, offs, kinds, end
-
-    def name(self, pointer: int) -> str:
-        text = self.names.get(pointer)
-        if text is None:  # kernel names are CUPTI's strings, alive for the process
-            text = ctypes.string_at(pointer).decode(errors="replace") if pointer else ""
-            self.names[pointer] = text
-        return text
-
-
 class CuptiCollector:
     """Kernel, copy and set records with their launch calls, on the host perf_counter_ns clock."""
 
     def __init__(self):
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._join = records.LaunchJoin(wait=CARRY_COLLECTS, keep=KEEP_CALLS_COLLECTS)
         self._enabled = False
         self._lock = threading.Lock()  # collect() against close()
@@ -240,9 +70,9 @@ class CuptiCollector:
         self.prepare_ns = 0  # the same set-up done by prepare(), on the drain thread
         self.flush_all_ns = 0  # inside cuptiActivityFlushAll (ctypes: without the GIL), of collect()'s time
 
-    def _ready(self) -> _Session:
+    def _ready(self) -> Session:
         if self._session is None:
-            s = _Session.get()
+            s = Session.get()
             # tops the buffer pool up again after an earlier collector's close(); no-op when full
             s.shim.lib.ovs_configure(BUFFER_BYTES, PREALLOCATED_BUFFERS)
             self._session = s
@@ -266,10 +96,10 @@ class CuptiCollector:
         t = time.perf_counter_ns()
         try:
             s = self._ready()
-            if not _Session.enabled_once:
+            if not Session.enabled_once:
                 s.set_enabled(True)
                 s.set_enabled(False)
-                _Session.enabled_once = True
+                Session.enabled_once = True
                 s.cupti.call("cuptiActivityFlushAll", 1)
                 while chunk := s.shim.take_completed():
                     for addr, _ in chunk:
@@ -284,15 +114,15 @@ class CuptiCollector:
 
     def enable(self) -> None:
         """Engine thread, step boundary: five ctypes calls into CUPTI, ~0.1 ms (the first call also sets
-        CUPTI up for the process, see _Session). Never synchronizes or flushes."""
-        first = not _Session.enabled_once
+        CUPTI up for the process, see Session). Never synchronizes or flushes."""
+        first = not Session.enabled_once
         t = time.perf_counter_ns()
         try:
             self._ready().set_enabled(True)
         except native.CuptiError as e:
             raise KernelTimingError(str(e)) from None
         if first:  # CUPTI attaches to the context here: tens to hundreds of ms, once a process
-            _Session.enabled_once = True
+            Session.enabled_once = True
             self.setup_ns += time.perf_counter_ns() - t
         self._enabled = True
 
@@ -342,7 +172,7 @@ class CuptiCollector:
             return self._rows(s, gpu, match, calls) if gpu else None
 
     @staticmethod
-    def _rows(s: _Session, gpu: dict, match: np.ndarray, api: dict) -> dict:
+    def _rows(s: Session, gpu: dict, match: np.ndarray, api: dict) -> dict:
         if s.monotonic:
             def to_host(x: np.ndarray) -> np.ndarray:
                 return x.astype(np.int64)
@@ -365,7 +195,7 @@ class CuptiCollector:
                 "gpu_end_ns": to_host(gpu["end"])}
 
     @staticmethod
-    def _names(s: _Session, gpu: dict) -> pa.DictionaryArray:
+    def _names(s: Session, gpu: dict) -> pa.DictionaryArray:
         """Each record's kernel name (copies: "memcpy HtoD"...; sets: "memset") as codes into the distinct
         names: no Python string a record on this thread, which holds the GIL the engine thread needs."""
         kernels = gpu["gpu_kind"] == records.KERNEL
