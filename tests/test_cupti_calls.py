@@ -1,8 +1,9 @@
 """The shim's launch-call callback (calls.c) driven as CUPTI drives it, with CUpti_CallbackData built byte by
 byte: entries and exits paired by correlation id on each thread, nested runtime/driver launches, exits
 without an entry, the switch loop through a stand-in cuptiEnableCallback, and a whole collect() that joins
-kernel records from an activity buffer to the calls. No libcupti, no CUDA: the GPU side is checked on the
-H200 (docs/benchmarks.md)."""
+kernel records from an activity buffer to the calls; then Session and the collector end to end against a
+stand-in libcupti (fake_cupti.c). No libcupti, no CUDA: the GPU side is checked on the H200
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -180,3 +181,53 @@ print("pandas" in sys.modules)
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("calls", ["callbacks", "activity"])
+def test_session_and_collector_against_a_stand_in_libcupti(tmp_path, calls):
+    """The GPU-only glue on the CPU: Session's set-up (library, shim, timestamp source, buffer callbacks,
+    subscriber), prepare() on another thread, enable/disable, a forced collect, through a stand-in libcupti
+    (tests/fake_cupti.c) with CUPTI 13.0's record and callback layouts; launch calls from the callback, or
+    from API activity records when OVERSHOOT_CUPTI_CALLS=activity. One process each: CUPTI is per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    compiler = native.find_c_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    lib = tmp_path / "libcupti.so"
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(lib), str(Path(__file__).with_name(
+        "fake_cupti.c"))], check=True)
+    code = """
+import ctypes, os, threading, time
+from overshoot.record.cupti.collector import CuptiCollector
+fake = ctypes.CDLL(os.environ["OVERSHOOT_CUPTI_LIB"])
+fake.fake_launch.restype = ctypes.c_uint32
+fake.fake_launch.argtypes = [ctypes.c_int, ctypes.c_uint64]
+name = ctypes.create_string_buffer(b"gemm_kernel")
+collector = CuptiCollector()
+prepare = threading.Thread(target=collector.prepare)
+prepare.start(); prepare.join()
+fake.fake_launch(1, ctypes.addressof(name))  # collector off: not recorded
+collector.enable()
+t0 = time.perf_counter_ns()
+ids = [fake.fake_launch(1, ctypes.addressof(name)), fake.fake_launch(0, ctypes.addressof(name))]
+t1 = time.perf_counter_ns()
+collector.disable()
+cols = collector.collect(final=True)
+assert cols["correlation"].tolist() == ids, (cols["correlation"], ids)
+assert cols["name"].to_pylist() == ["gemm_kernel"] * 2
+start, end = cols["launch_start_ns"], cols["launch_end_ns"]
+assert all(t0 <= s <= e <= t1 for s, e in zip(start, end)), (t0, start, end, t1)
+assert (cols["gpu_start_ns"] > end).all()
+info = collector.describe()
+assert collector.prepare_ns > 0 and collector.setup_ns == 0 and info["clock"] == "CLOCK_MONOTONIC callback"
+print(info["api_filter"])
+"""
+    env = {**os.environ, "OVERSHOOT_CUPTI_LIB": str(lib), "OVERSHOOT_CACHE": str(tmp_path / "cache"),
+           "OVERSHOOT_CUPTI_CALLS": calls}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("callbacks" in done.stdout) == (calls == "callbacks"), done.stdout
