@@ -135,49 +135,81 @@ def _window_gaps(run) -> tuple[list[int], float]:
     return gaps, float((steps["end_ns"] - steps["start_ns"]).median())
 
 
-class CostlySwitch(VirtualCollector):
+class VirtualClock:
+    """The sampler's clock in tests of its spacing: steps last what the test says and switches what the
+    collector says, whatever the machine does meanwhile (a preempted step would move the spacing)."""
+
+    def __init__(self):
+        self.now = 10**12
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class TimedSwitch(VirtualCollector):
+    """A collector whose switches take set times on the virtual clock: `switch_ns` each enable, plus
+    `setup_ns_first` on the first one (its once-a-process set-up, as CUPTI's first enable in a served
+    engine: 50-240 ms)."""
+
+    def __init__(self, clock: VirtualClock, *, switch_ns: int = 0, setup_ns_first: int = 0):
+        super().__init__()
+        self.clock, self.switch_ns, self.setup_ns_first = clock, switch_ns, setup_ns_first
+        self.setup_ns = 0
+
     def enable(self) -> None:
-        super().enable()
-        spin(2_000_000)  # 2 ms to switch on: the sampler must space its windows to pay for it
-
-
-def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_path):
-    collector, run = _run(tmp_path, "sampled", steps=600, budget=0.05, collector=CostlySwitch())
-    # a 2 ms switch over 5% of the time between windows: gaps of at least 2e6 / (0.05 x step) steps
-    gap_steps, plain_ns = _window_gaps(run)
-    assert len(gap_steps) >= 1 and min(gap_steps) >= 0.8 * 2e6 / (0.05 * plain_ns), (gap_steps, plain_ns)
-
-
-class SetUpOnFirstEnable(VirtualCollector):
-    """Sets itself up inside its first enable (as CUPTI does, 50-240 ms in a served engine) and says so."""
-
-    setup_ns = 0
-
-    def enable(self) -> None:
-        if self.enables == 0:
-            t = perf_counter_ns()
-            spin(100_000_000)
-            self.setup_ns += perf_counter_ns() - t
+        if self.enables == 0 and self.setup_ns_first:
+            self.clock.now += self.setup_ns_first
+            self.setup_ns += self.setup_ns_first
+        self.clock.now += self.switch_ns
         super().enable()
 
 
-def test_the_collector_set_up_does_not_space_windows_as_if_every_switch_cost_it(tmp_path):
-    collector = SetUpOnFirstEnable()
+def _drive(sampler: KernelSampler, clock: VirtualClock, steps: int, step_ns=lambda i: (200_000, "decode")):
+    """Steps through the sampler on the virtual clock; `step_ns(i)` gives each step's length and phase.
+    The indices of the steps at which a window opened."""
+    opened = []
+    for i in range(steps):
+        before = sampler.windows
+        length, phase = step_ns(i)
+        clock.now = sampler.at_step(clock.now, 1, phase) + length
+        if sampler.windows > before:
+            opened.append(i)
+    return opened
+
+
+def _virtual_sampler(tmp_path, monkeypatch, collector: VirtualCollector, clock: VirtualClock):
+    from overshoot.record import kernel_timing
+
+    monkeypatch.setattr(kernel_timing, "perf_counter_ns", clock)
     rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
-    sampler = rec._sampler = KernelSampler(rec, collector, mode="sampled", window_steps=8, min_gap=32,
-                                           budget=0.05, drain_seconds=0.05)
-    gpu_free = 0
-    for _ in range(300):
-        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
-        with rec.busy("launch"):
-            for _ in range(KERNELS):
-                gpu_free = collector.launch(gpu_free)
-    info = sampler.info()
+    sampler = KernelSampler(rec, collector, mode="sampled", window_steps=8, min_gap=32, budget=0.05,
+                            drain_seconds=60)
+    return rec, sampler
+
+
+def test_sampled_windows_are_spaced_to_keep_their_cost_within_the_budget(tmp_path, monkeypatch):
+    clock = VirtualClock()
+    rec, sampler = _virtual_sampler(tmp_path, monkeypatch, TimedSwitch(clock, switch_ns=2_000_000), clock)
+    opened = _drive(sampler, clock, 1200)
+    sampler.close()
     rec.close()
-    # 100 ms over 5% of ~0.2 ms steps would space the next window 10,000 steps away; a cheap switch keeps
+    # a 2 ms switch over 5% of the time between windows: gaps of at least 2e6 / (0.05 x 0.2 ms) = 200 steps
+    gaps = np.diff(opened)
+    assert len(gaps) >= 1 and gaps.min() >= 200, opened
+
+
+def test_the_collector_set_up_does_not_space_windows_as_if_every_switch_cost_it(tmp_path, monkeypatch):
+    clock = VirtualClock()
+    collector = TimedSwitch(clock, setup_ns_first=100_000_000)
+    rec, sampler = _virtual_sampler(tmp_path, monkeypatch, collector, clock)
+    _drive(sampler, clock, 300)
+    info = sampler.info()
+    sampler.close()
+    rec.close()
+    # 100 ms over 5% of 0.2 ms steps would space the next window 10,000 steps away; a free switch keeps
     # windows at the minimum gap
-    assert sampler.windows >= 4, sampler.windows
-    assert 100 <= info["setup_ms"] < 150 and info["switch_ms"] >= info["setup_ms"]
+    assert sampler.windows >= 6, sampler.windows
+    assert info["setup_ms"] == 100 and info["switch_ms"] == 100
 
 
 class PreparedOffThread(VirtualCollector):
@@ -218,18 +250,13 @@ def test_sampled_mode_sets_the_collector_up_on_the_drain_thread_and_opens_window
     assert run.kernel_windows["start_ns"].min() >= collector.prepared_at
 
 
-def test_a_long_step_of_another_kind_after_a_window_is_no_cost_of_it(tmp_path):
+def test_a_long_step_of_another_kind_after_a_window_is_no_cost_of_it(tmp_path, monkeypatch):
     """Steps inside and after a window are set against plain steps of their own phase and batch size: a
     prefill (25 decode steps long) that follows a window is not the window's cost, so a collector that costs
-    nothing keeps its windows at the minimum gap. The sampler is driven with set step times (no machine
-    noise): decode steps of 0.2 ms, a prefill of 5 ms every 12th step."""
-    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
-    sampler = KernelSampler(rec, VirtualCollector(), mode="sampled", window_steps=8, min_gap=32,
-                            budget=0.05, drain_seconds=60)
-    t = perf_counter_ns()
-    for i in range(800):
-        prefill = i % 12 == 0
-        t = sampler.at_step(t, 1, "prefill" if prefill else "decode") + (5_000_000 if prefill else 200_000)
+    nothing keeps its windows at the minimum gap. Decode steps of 0.2 ms, a prefill of 5 ms every 12th."""
+    clock = VirtualClock()
+    rec, sampler = _virtual_sampler(tmp_path, monkeypatch, TimedSwitch(clock), clock)
+    _drive(sampler, clock, 800, lambda i: (5_000_000, "prefill") if i % 12 == 0 else (200_000, "decode"))
     sampler.close()
     rec.close()
     # counted against the decode median, each prefill after a window would space the next ~480 steps away
