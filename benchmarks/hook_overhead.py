@@ -206,7 +206,8 @@ def measure_config(name: str, args) -> dict:
     # plain rounds after a CUPTI mode's first round run in an attached process. Plain rounds before any and
     # after all of them show whether that alone costs (drift between the two blocks included).
     batch0 = args.batches[0]
-    timed_round(engine, batch0, args.tokens, args.prompt_len)
+    if args.attach_check_s:
+        timed_round(engine, batch0, args.tokens, args.prompt_len)  # its graphs captured before the block
     before = plain_block(engine, batch0, args, args.attach_check_s)
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
     with tempfile.TemporaryDirectory() as tmp:

@@ -213,7 +213,7 @@ def test_the_collector_returns_kernels_table_columns_on_the_host_clock():
     from overshoot.record.cupti.collector import CuptiCollector
     from overshoot.record.writer import kernel_batch
 
-    session = SimpleNamespace(monotonic=True, clock=[], name=lambda p: f"kernel@{p:x}")
+    session = SimpleNamespace(monotonic=True, clock=[], calls=False, name=lambda p: f"kernel@{p:x}")
     g, a = parsed(api(100, 110, 7), kernel(120, 150, 3, 7), memcpy(300, 320, 5, 9, copy_kind=2),
                   memset(330, 331, 5, 10), api(325, 328, 10, cbid=51))
     out, match, calls = records.LaunchJoin().step([g], [a], final=True)
