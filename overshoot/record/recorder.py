@@ -8,7 +8,9 @@ idle begin (at most every 10 ms, for engines that poll), on close, atexit and SI
 (record/lifecycle.py). A flush between steps is recorded as a busy span labelled
 "overshoot:flush" at step -1, so its cost is visible and never inflates a step's busy time. In a GPU-bound
 stretch (the last step waited >= 0.2 ms) a due flush runs instead at the start of the next wait, where the
-thread waits anyway (its span lies inside that wait), when it took at most 80% of the last wait before.
+thread waits anyway (its span lies inside that wait), when it took at most 80% of the last wait before;
+buffers 3/4 full make a flush due there only, so that a synchronous GPU-bound engine never flushes between
+steps (full buffers and the flush interval still force one).
 
 Semantics (docs/contracts.md section 1):
 - a step lasts from `step_begin` to the next `step_begin`, `step_end`, `idle_begin` or `close`;
@@ -55,6 +57,9 @@ FLUSH_LABEL = "overshoot:flush"
 # A flush that outlasts the wait delays the step by the difference only; one between steps, by all of it.
 WORK_IN_WAIT_NS = 200_000
 FLUSH_IN_WAIT_MARGIN = 1.25
+# Buffers filled this far make a flush due where it fits inside a wait; only full buffers (or the flush
+# interval) force one between steps. A synchronous GPU-bound engine waits every step: its flushes all fit.
+SOFT_FILL = 0.75
 RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wait
 RESOLVE, FLUSH = 1, 2  # values of `_wait_work`: what the next wait does (0: nothing)
 # events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
@@ -82,7 +87,8 @@ class Recorder:
         "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__",
         "_flush_interval_ns", "_idle_flush_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap",
         "_s_step", "_s_start", "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts",
-        "_n_steps", "_spans_cap", "_p_step", "_p_kind", "_p_label", "_p_start", "_p_dur", "_n_spans",
+        "_n_steps", "_spans_cap", "_soft_steps", "_soft_spans", "_p_step", "_p_kind", "_p_label", "_p_start",
+        "_p_dur", "_n_spans",
         "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
         "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
         "_step", "_next_step", "_step_start", "_step_wait", "_wait_work", "_flush_ns", "_batch", "_tokens",
@@ -144,6 +150,7 @@ class Recorder:
         self._p_step, self._p_kind, self._p_label = [0] * m, [None] * m, [None] * m
         self._p_start, self._p_dur = [0] * m, [0] * m
         self._n_spans = 0
+        self._soft_steps, self._soft_spans = max(1, int(SOFT_FILL * n)), int(SOFT_FILL * m)
         self._g_step, self._g_start, self._g_end = [0] * n, [0] * n, [0] * n
         self._n_gpu = 0
         # Rows [0, watermark) were already written by a flush from another thread (signal handler, atexit).
@@ -273,12 +280,16 @@ class Recorder:
         if self._nvtx is not None:
             self._nvtx.end_step(self._nvtx_step)
         long_wait = waited >= WORK_IN_WAIT_NS
-        if n + 1 >= self._steps_cap or t - self._last_flush_ns >= self._flush_interval_ns:
-            if long_wait and waited >= FLUSH_IN_WAIT_MARGIN * self._flush_ns and n + 2 < self._steps_cap:
+        full = n + 1 >= self._steps_cap  # (a full span buffer flushes itself, in _end)
+        timed_out = t - self._last_flush_ns >= self._flush_interval_ns
+        if full or timed_out or n + 1 >= self._soft_steps or self._n_spans >= self._soft_spans:
+            if not full and long_wait and waited >= FLUSH_IN_WAIT_MARGIN * self._flush_ns:
                 self._wait_work = FLUSH
                 return t
-            self._wait_work = 0
-            return self._flush_between_steps(t)
+            if full or timed_out:
+                self._wait_work = 0
+                return self._flush_between_steps(t)
+            # Filled past SOFT_FILL only: keep going until a wait fits the flush or the buffers fill up.
         self._wait_work = RESOLVE if long_wait and self._ring else 0
         return t
 
