@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from time import perf_counter_ns
 
@@ -415,3 +416,36 @@ def test_the_drain_threads_cpu_time_for_a_window_counts_in_its_cost(tmp_path):
     # loaded machine a parse can start after the next window opened and count for that one.
     later = sorted(gap_steps[2:])
     assert len(later) >= 1 and later[len(later) // 2] >= 0.5 * 10e6 / (0.5 * plain_ns), (gap_steps, plain_ns)
+
+
+def test_the_drain_thread_writes_the_kernel_records_not_the_engine_threads_flushes(tmp_path, monkeypatch):
+    """Kernel records reach the spool from the thread that delivers them: the engine thread's flushes (every
+    16 steps here) convert and write none while the run goes on; the close writes the last ones. Every
+    record and the window are read back."""
+    from overshoot.record.writer import RecorderIO
+
+    writers: list[tuple[str, int]] = []
+    original = RecorderIO.write_kernels
+
+    def spy(self, kernels, windows):
+        writers.append((threading.current_thread().name, sum(len(k["gpu_start_ns"]) for k in kernels)))
+        original(self, kernels, windows)
+
+    monkeypatch.setattr(RecorderIO, "write_kernels", spy)
+    rec = Recorder(tmp_path, engine="virtual", gpu_timing="kernels", flush_steps=16)
+    collector = VirtualCollector()
+    rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=0.01)
+    gpu_free = 0
+    for _ in range(120):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+        time.sleep(0.001)  # the drain thread's turn
+    engine = threading.current_thread().name
+    during = [(name, rows) for name, rows in writers]
+    rec.close()
+    assert any(name == "overshoot-kernels" and rows for name, rows in during), during
+    assert not any(name == engine and rows for name, rows in during), during
+    run = load_run(tmp_path)
+    assert len(run.kernels) == KERNELS * 120 and len(run.kernel_windows) == 1

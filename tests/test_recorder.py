@@ -594,7 +594,8 @@ def _flushes_inside_waits(run) -> list[bool]:
     flushes = spans[spans["label"] == "overshoot:flush"]
     waits = spans[spans["kind"] == "wait"]
     starts, ends = waits["start_ns"].to_numpy(), (waits["start_ns"] + waits["dur_ns"]).to_numpy()
-    return [bool(((starts <= f.start_ns) & (f.start_ns + f.dur_ns <= ends)).any()) for f in flushes.itertuples()]
+    return [bool(((starts <= f.start_ns) & (f.start_ns + f.dur_ns <= ends)).any())
+            for f in flushes.itertuples()]
 
 
 def test_buffers_filling_up_flush_inside_waits_not_between_steps(tmp_path):

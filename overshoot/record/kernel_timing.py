@@ -49,6 +49,7 @@ class Recorder(Protocol):
 
     def kernel_spans(self, columns: dict) -> None: ...
     def kernel_window(self, start_ns: int, end_ns: int) -> None: ...
+    def write_kernels(self, *, wait: bool = True) -> None: ...
     def _emit_span(self, step: int, kind: str, label: str, start: int, dur: int) -> None: ...
 
 
@@ -345,6 +346,7 @@ class KernelSampler:
             columns = self._inside_windows(columns)
         if columns is not None:
             self.recorder.kernel_spans(columns)
+        self.recorder.write_kernels()  # here, not in the engine thread's flush
         took = perf_counter_ns() - t
         cpu = time.thread_time_ns() - cpu  # its wall time also counts its waits for the GIL
         self._drain_cpu_by_window[window] = self._drain_cpu_by_window.get(window, 0) + cpu

@@ -95,7 +95,7 @@ class Recorder:
         "_phase", "_facts",
         "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows",
         "_flush_lock", "_flushing_ident", "_last_flush_ns", "_paused_at", "_closed",
-        "_k_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
+        "_k_lock", "_kw_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
         "busy", "_wait_scopes", "_idle_scope",
     )
 
@@ -182,6 +182,7 @@ class Recorder:
         self.steps_recorded = 0
         # Kernel records arrive from any thread (the CUPTI collector's, tests): a lock, off the hot path.
         self._k_lock = threading.Lock()
+        self._kw_lock = threading.Lock()  # one writer of the kernel tables at a time (write_kernels)
         self._k_batches: list[dict] = []
         self._k_rows: list[tuple] = []
         self._k_windows: list[tuple[int, int]] = []
@@ -546,6 +547,19 @@ class Recorder:
             batches.append(columns)
         return batches, windows
 
+    def write_kernels(self, *, wait: bool = True) -> None:
+        """Write the kernel records and windows handed over so far (any thread; the CUPTI drain thread calls
+        it after each delivery, so their Arrow conversion and write stay off the engine thread).
+        wait=False: return at once if another thread is writing them."""
+        if not self._kw_lock.acquire(blocking=wait):
+            return
+        try:
+            kernels, windows = self._take_kernels()
+            if (kernels or windows) and not self._closed and os.getpid() == self._io.pid:
+                self._io.write_kernels(kernels, windows)
+        finally:
+            self._kw_lock.release()
+
     def _flush_detached(self) -> None:
         """A thread without steps has no boundaries to flush at: it flushes after a hooked call when its
         buffers fill up (~every 256 intervals), not on a timer, since each flush delays the step that waits
@@ -620,7 +634,9 @@ class Recorder:
             (self._ring.drain if drain else self._ring.resolve)(*gpu_rows)
         if drain and self._sampler is not None:
             self._sampler.close()  # its last window and records land in this flush
-        kernels, windows = self._take_kernels()
+        # Kernel records are normally written by the drain thread that delivers them (write_kernels): the
+        # engine thread's flush writes only what it finds pending, and never waits for that thread's write.
+        self.write_kernels(wait=drain or not owner)
         if not self._closed:
             self._io.write_chunk(
                 steps=(self._s_step[w_steps:n_steps], self._s_start[w_steps:n_steps],
@@ -632,7 +648,6 @@ class Recorder:
                        self._p_dur[w_spans:n_spans]),
                 gpu=(self._g_step[w_gpu:n_gpu] + gpu_rows[0], self._g_start[w_gpu:n_gpu] + gpu_rows[1],
                      self._g_end[w_gpu:n_gpu] + gpu_rows[2]),
-                kernels=kernels, windows=windows,
             )
         if owner:
             self._rewind(n_steps)

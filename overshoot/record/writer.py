@@ -226,6 +226,7 @@ class RecorderIO:
         self.wrote_meta = write_meta(run_dir, meta, only_if_absent=True)
         self.run_dir = Path(run_dir)
         self.writer = SpoolWriter(self.spool_dir, self.prefix)
+        self.kernel_writer = SpoolWriter(self.spool_dir, self.prefix)  # kernels, kernel_windows only
         self._fact_types: dict[str, pa.DataType] = {}
         self.write_errors = 0
         self.chunks = 0
@@ -269,8 +270,7 @@ class RecorderIO:
         except OSError:
             pass
 
-    def write_chunk(self, *, steps: tuple, spans: tuple, gpu: tuple, kernels: list | None = None,
-                    windows: list | None = None) -> None:
+    def write_chunk(self, *, steps: tuple, spans: tuple, gpu: tuple) -> None:
         try:
             if steps[0]:
                 self.writer.write("steps", self._steps_batch(*steps))
@@ -281,19 +281,29 @@ class RecorderIO:
             if gpu[0]:
                 gpu_columns = [_ints(values) for values in gpu]
                 self.writer.write("gpu", pa.record_batch(gpu_columns, schema=GPU_SCHEMA))
-            for batch in kernels or ():
-                self.writer.write("kernels", kernel_batch(batch))
-            if windows:
-                starts, ends = zip(*windows, strict=True)
-                self.writer.write("kernel_windows", pa.record_batch(
-                    [_ints(list(starts)), _ints(list(ends))], schema=KERNEL_WINDOWS_SCHEMA))
             self.chunks += 1
         except (OSError, *BUILD_ERRORS) as e:
-            self.write_errors += 1
-            if self.write_errors == 1:
-                import sys
+            self._write_failed(e)
 
-                print(f"overshoot: could not write spool chunk ({e}); data dropped", file=sys.stderr)
+    def write_kernels(self, kernels: list[dict], windows: list[tuple[int, int]]) -> None:
+        """Kernel records and windows, through a writer of their own: the CUPTI drain thread writes them
+        while the engine thread writes its chunks (the two never share a file or a writer)."""
+        try:
+            for batch in kernels:
+                self.kernel_writer.write("kernels", kernel_batch(batch))
+            if windows:
+                starts, ends = zip(*windows, strict=True)
+                self.kernel_writer.write("kernel_windows", pa.record_batch(
+                    [_ints(list(starts)), _ints(list(ends))], schema=KERNEL_WINDOWS_SCHEMA))
+        except (OSError, *BUILD_ERRORS) as e:
+            self._write_failed(e)
+
+    def _write_failed(self, error: Exception) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            import sys
+
+            print(f"overshoot: could not write spool chunk ({error}); data dropped", file=sys.stderr)
 
     def _steps_batch(self, step, start, end, wait, batch, tokens, phase, facts) -> pa.RecordBatch:
         columns = [
@@ -337,13 +347,15 @@ class RecorderIO:
 
         self.info["clock"].setdefault("samples", []).append(clock_sample())  # the second: wall-clock slew
 
-        try:
-            self.writer.close()
-        except (OSError, pa.ArrowException):
-            self.write_errors += 1
+        for writer in (self.writer, self.kernel_writer):
+            try:
+                writer.close()
+            except (OSError, pa.ArrowException):
+                self.write_errors += 1
         self.info.update(
             closed=True, end_reason=reason, end_time=now_iso(), steps=steps, chunks=self.chunks,
-            segments=self.writer.files_written, write_errors=self.write_errors,
+            segments=self.writer.files_written + self.kernel_writer.files_written,
+            write_errors=self.write_errors,
         )
         if gpu is not None:
             self.info["gpu_events"] = gpu
