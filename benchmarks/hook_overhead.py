@@ -11,13 +11,15 @@ shares the weights, the graphs and the machine's state. Each mode keeps one Reco
 all its rounds, as a served engine keeps one over a run: sampled mode's windows are spaced over the whole run,
 not restarted every round. Between its rounds a mode's recorder is paused (Recorder.pause): CUPTI off, and the
 other rounds' time does not count toward its flush interval, so it flushes as often per step as in a served
-engine, not once a second of everybody's rounds. Reported per batch and mode, with the round as the unit
-(plain and hooked of one round are a pair): the ratio of hooked to plain time summed over rounds (the cost
-averaged over a run), a 90% bootstrap interval of it over rounds, and the median of the per-round ratios. Each
-mode's run directory is read back: decode steps recorded, with a GPU interval, and with kernel records. With
---profiler, one last round runs under torch.profiler (CUDA activity only) for its cost on the same steps
-(last: it takes over CUPTI). With --attach-check-s, plain rounds before any mode and after all of them show
-whether a process with CUPTI attached (all off) runs slower. Several configurations run one process each.
+engine, not once a second of everybody's rounds; the round then waits for the CUPTI drain thread to write its
+last records (Recorder.settle) and counts that wait, so that this work does not slow the next round. Reported
+per batch and mode, with the round as the unit (plain and hooked of one round are a pair): the ratio of hooked
+to plain time summed over rounds (the cost averaged over a run), a 90% bootstrap interval of it over rounds,
+and the median of the per-round ratios. Each mode's run directory is read back: decode steps recorded, with a
+GPU interval, and with kernel records. With --profiler, one last round runs under torch.profiler (CUDA
+activity only) for its cost on the same steps (last: it takes over CUPTI). With --attach-check-s, plain rounds
+before any mode and after all of them show whether a process with CUPTI attached (all off) runs slower.
+Several configurations run one process each.
 Prints a table last; writes hook_overhead.json under --out."""
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class HookedMode:
     def __init__(self, run_dir: Path, gpu_timing: str):
         self.run_dir, self.gpu_timing = run_dir, gpu_timing
         self.recorder = None
+        self.settle_ms = 0.0  # waits for the drain thread's last delivery of a round, summed
 
     def factory(self, name: str, process_info: dict):
         from overshoot.record.recorder import Recorder
@@ -86,13 +89,22 @@ class HookedMode:
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
             else:
                 self.recorder.resume()
-            return timed_round(engine, batch, tokens, prompt_len)
+            per_token = timed_round(engine, batch, tokens, prompt_len)
         finally:
             # CUPTI left on would slow the plain rounds and the other modes' too (kernels mode's one window
             # spans its whole run); the round ended synchronized, so no kernel of it is still running.
+            settle_ms = 0.0
             if self.recorder is not None:
                 self.recorder.pause()
+                # The drain thread delivers and writes the round's last records now. Left to run during the
+                # next round it would slow that one (on the H200 the plain rounds after kernels rounds ran
+                # 2-4% slower): its time counts in this round instead, as if the engine waited for it all.
+                start = time.perf_counter()
+                self.recorder.settle()
+                settle_ms = (time.perf_counter() - start) * 1e3
+                self.settle_ms += settle_ms
             patcher.reset()
+        return per_token + settle_ms / tokens
 
     def close(self) -> None:
         if self.recorder is not None:
@@ -231,7 +243,8 @@ def measure_config(name: str, args) -> dict:
             row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
                    "plain_ms": statistics.median(times["plain"]), "rounds": times,
                    "modes": {m: {**paired_cost(times["plain"], times[m]),
-                                 "run": check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens)}
+                                 "run": {**check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens),
+                                         "settle_ms": hooked[m].settle_ms}}
                              for m in args.modes}}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
@@ -254,6 +267,8 @@ def _threads_account(run: dict) -> str:
         return ""
     text = (f", flushes {100 * run.get('flush_ms', 0.0) / total:.2f}% "
             f"({run.get('flushes_in_wait', 0)} of {run.get('flushes', 0)} inside a wait)")
+    if run.get("settle_ms"):
+        text += f", waits for the drain thread after rounds {100 * run['settle_ms'] / total:.2f}%"
     if run.get("drain_ms"):
         text += (f", drain thread {100 * run['drain_ms'] / total:.2f}% "
                  f"(CPU {100 * run.get('drain_cpu_ms', 0.0) / total:.2f}%, "

@@ -17,6 +17,7 @@ from overshoot import Recorder
 from overshoot.analysis.analyze import steps_table, summarize
 from overshoot.record.kernel_timing import KernelSampler
 from overshoot.rundir.reader import load_run
+from overshoot.rundir.spool import read_stream_file
 
 KERNELS, KERNEL_NS, LAUNCH_NS = 4, 20_000, 30_000
 
@@ -449,3 +450,31 @@ def test_the_drain_thread_writes_the_kernel_records_not_the_engine_threads_flush
     assert not any(name == engine and rows for name, rows in during), during
     run = load_run(tmp_path)
     assert len(run.kernels) == KERNELS * 120 and len(run.kernel_windows) == 1
+
+
+def test_settle_waits_for_the_drain_thread_to_write_what_came_before_the_pause(tmp_path):
+    """pause() switches the collector off; settle() returns once the drain thread has delivered and written
+    every record of the work before it (read back from the spool while the recorder is still open), so that
+    none of that work falls on what runs next; it is immediate when nothing was collecting."""
+    rec = Recorder(tmp_path, engine="virtual", gpu_timing="kernels")
+    collector = VirtualCollector()
+    rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=30.0)  # never on its own
+    gpu_free = 0
+    for _ in range(20):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+    rec.pause()
+    assert rec.settle(timeout=5.0)
+    assert not collector.on and not collector.rows
+    written = [b for path in (tmp_path / "spool").glob("*.kernels.*.arrow")
+               for b in read_stream_file(path, label=path.name)[0]]
+    assert sum(b.num_rows for b in written) == KERNELS * 20  # before any flush of the engine thread
+    rec.resume()
+    assert collector.on
+    rec.close()
+    idle = Recorder(tmp_path / "idle", engine="virtual", gpu_timing="kernels")
+    idle.pause()
+    assert idle.settle(timeout=0.01)
+    idle.close()

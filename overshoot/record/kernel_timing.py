@@ -141,6 +141,8 @@ class KernelSampler:
             self._prepared.set()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._settled = threading.Event()  # cleared by pause until the drain thread delivered the rest
+        self._settled.set()
         self._closed = False
         self._thread = threading.Thread(target=self._drain_loop, args=(drain_seconds,),
                                         name="overshoot-kernels", daemon=True)
@@ -197,9 +199,15 @@ class KernelSampler:
         benchmarks/hook_overhead.py); `resume` puts it back as it was. Call with the GPU idle."""
         self._paused = self._on or self._closing is not None
         if self._paused:
+            self._settled.clear()
             self._call(self.collector.disable)
-            self._switch_offs += 1  # the drain thread delivers what is left, then rests until resume
+            self._switch_offs += 1  # the drain thread delivers what is left at once, then rests until resume
             self._wake.set()
+
+    def settle(self, timeout: float = 5.0) -> bool:
+        """After `pause`: wait until the drain thread has delivered and written every record of the work
+        before it (so that its work is not done during whatever runs next). False on timeout."""
+        return self._settled.wait(timeout) or self._stop.is_set()
 
     def resume(self) -> None:
         if self._paused:
@@ -327,6 +335,12 @@ class KernelSampler:
             if self._stop.is_set():
                 break
             offs = self._switch_offs
+            if self._paused and not self._settled.is_set():
+                # paused with the GPU idle: CUPTI's buffers can be forced out now, no need to look again
+                seen_offs, after_off = offs, 0
+                self._deliver(final=True)
+                self._settled.set()
+                continue
             if offs > seen_offs:  # a window's collector went off: CUPTI hands over a buffer only once all
                 seen_offs, after_off = offs, 3  # its records are complete, so look a few more times
             # Between windows (or paused) the collector is off and has nothing left to hand over: no flush,

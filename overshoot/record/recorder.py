@@ -452,6 +452,11 @@ class Recorder:
             self._sampler.pause()
         self._paused_at = perf_counter_ns()
 
+    def settle(self, timeout: float = 5.0) -> bool:
+        """After `pause`: wait until kernel timing's drain thread has written the records of the work before
+        the pause (True at once without kernel timing), so that its work does not fall on what runs next."""
+        return self._sampler.settle(timeout) if self._sampler is not None else True
+
     def resume(self) -> None:
         if self._paused_at:
             self._last_flush_ns += perf_counter_ns() - self._paused_at
