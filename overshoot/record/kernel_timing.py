@@ -4,8 +4,8 @@ Two CUDA events a step see the GPU interval, not the gaps between kernels inside
 collector (CUPTI by default, record/cupti/; anything with the `Collector` methods, e.g. a synthetic device)
 is switched on and off at step boundaries by the engine thread, which costs a call into the collector and
 nothing else. Its records are parsed, handed to `Recorder.kernel_spans` and written to the spool
-(`Recorder.write_kernels`) on a thread of its own, so the engine thread does no work per kernel. Each window is stored (`Recorder.kernel_window`) so the analyzer
-knows which steps were instrumented.
+(`Recorder.write_kernels`) on a thread of its own, so the engine thread does no work per kernel. Each window
+is stored (`Recorder.kernel_window`) so the analyzer knows which steps were instrumented.
 
 Modes: "kernels" records every step (one window for the whole run). "sampled" records windows of
 `window_steps` steps and spaces them so that what a window costs (the measured slowdown of its steps and the
