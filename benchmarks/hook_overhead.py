@@ -15,11 +15,12 @@ engine, not once a second of everybody's rounds; the round then waits for the CU
 last records (Recorder.settle) and counts that wait, so that this work does not slow the next round. Reported
 per batch and mode, with the round as the unit (plain and hooked of one round are a pair): the ratio of hooked
 to plain time summed over rounds (the cost averaged over a run), a 90% bootstrap interval of it over rounds,
-and the median of the per-round ratios. Each mode's run directory is read back: decode steps recorded, with a
-GPU interval, and with kernel records. With --profiler, one last round runs under torch.profiler (CUDA
-activity only) for its cost on the same steps (last: it takes over CUPTI). With --attach-check-s, plain rounds
-before any mode and after all of them show whether a process with CUPTI attached (all off) runs slower.
-Several configurations run one process each.
+and the median of the per-round ratios; and, from every way's decode steps stamped alike (StepClock), the
+median step of each mode against plain's, which the rounds' noise does not reach. Each mode's run directory is
+read back: decode steps recorded, with a GPU interval, and with kernel records. With --profiler, one last
+round runs under torch.profiler (CUDA activity only) for its cost on the same steps (last: it takes over
+CUPTI). With --attach-check-s, plain rounds before any mode and after all of them show whether a process with
+CUPTI attached (all off) runs slower. Several configurations run one process each.
 Prints a table last; writes hook_overhead.json under --out."""
 
 from __future__ import annotations
@@ -56,6 +57,33 @@ def timed_round(engine, batch: int, tokens: int, prompt_len: int) -> float:
     return (time.perf_counter() - start) / tokens * 1e3
 
 
+class StepClock:
+    """Stamps every `Engine.step` call with perf_counter_ns (a class-level wrapper under the hooks, the same
+    in every way): per-step medians see a mode's cost on a typical decode step, free of the rounds' noise
+    (prefill, round set-up, a machine that slows for a second) that the round ratios carry."""
+
+    SKIP = 2  # a round's first steps: its prefill and the first decode
+
+    def __init__(self, engine_cls):
+        self.stamps: list[int] = []
+        self._cls, self._step = engine_cls, engine_cls.step
+        stamps, step = self.stamps, self._step
+
+        def stamped(engine_self):
+            stamps.append(time.perf_counter_ns())
+            return step(engine_self)
+
+        engine_cls.step = stamped
+
+    def take(self) -> list[float]:
+        """Durations (µs) of the steps stamped since the last take, less each round's first ones."""
+        stamps, self.stamps[:] = list(self.stamps), []
+        return [(b - a) / 1e3 for a, b in zip(stamps[self.SKIP:], stamps[self.SKIP + 1:], strict=False)]
+
+    def close(self) -> None:
+        self._cls.step = self._step
+
+
 class HookedMode:
     """One GPU timing mode's Recorder, kept over all rounds; the hooks are installed around each of its
     rounds only (the plain rounds between run unhooked)."""
@@ -73,8 +101,9 @@ class HookedMode:
                                      gpu_timing=self.gpu_timing)
         return self.recorder
 
-    def round(self, engine, batch: int, tokens: int, prompt_len: int) -> float:
-        """timed_round with the hooks installed for it (and removed after: the next round runs plain)."""
+    def round(self, engine, batch: int, tokens: int, prompt_len: int, *, before=None) -> float:
+        """timed_round with the hooks installed for it (and removed after: the next round runs plain);
+        `before()` is called just before it (after the first round's warm-up generation)."""
         from engine_hooks import patcher
         from engine_hooks.reference import SPEC
         from reference_engine.engine import SamplingParams
@@ -89,6 +118,8 @@ class HookedMode:
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
             else:
                 self.recorder.resume()
+            if before is not None:
+                before()
             per_token = timed_round(engine, batch, tokens, prompt_len)
         finally:
             # CUPTI left on would slow the plain rounds and the other modes' too (kernels mode's one window
@@ -197,6 +228,19 @@ def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> di
             "median_high": float(np.quantile(boot_median, 0.95)), "ms": float(np.median(h))}
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def step_cost(plain_us: list[float], hooked_us: list[float]) -> dict:
+    """Median step of the mode's rounds against the plain rounds' (µs and %), with the steps counted."""
+    plain, hooked = _median(plain_us), _median(hooked_us)
+    if plain is None or hooked is None:
+        return {"step_us": hooked, "step_delta_us": None, "step_delta_pct": None, "steps": len(hooked_us)}
+    return {"step_us": hooked, "step_delta_us": hooked - plain, "step_delta_pct": 100 * (hooked / plain - 1),
+            "steps": len(hooked_us)}
+
+
 def measure_config(name: str, args) -> dict:
     """One configuration in this process: rounds of plain and each mode, the order rotating."""
     import torch
@@ -227,22 +271,30 @@ def measure_config(name: str, args) -> dict:
             timed_round(engine, batch, args.tokens, args.prompt_len)  # graphs of this batch size captured
             ways = ["plain", *args.modes]
             times: dict[str, list[float]] = {w: [] for w in ways}
+            steps_us: dict[str, list[float]] = {w: [] for w in ways}
+            clock = StepClock(Engine)
             hooked = {m: HookedMode(Path(tmp) / f"b{batch}-{m}", m) for m in args.modes}
             try:
                 for i in range(args.rounds):
                     if deadline and i >= 2 and time.monotonic() > deadline:
                         break  # a time-boxed run keeps the rounds it finished (all ways of each)
                     for way in ways[i % len(ways):] + ways[:i % len(ways)]:
+                        clock.take()
                         times[way].append(
                             timed_round(engine, batch, args.tokens, args.prompt_len) if way == "plain"
-                            else hooked[way].round(engine, batch, args.tokens, args.prompt_len))
+                            else hooked[way].round(engine, batch, args.tokens, args.prompt_len,
+                                                   before=clock.take))
+                        steps_us[way].extend(clock.take())
             finally:
+                clock.close()
                 for mode in hooked.values():
                     mode.close()
             rounds = len(times["plain"])
             row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
                    "plain_ms": statistics.median(times["plain"]), "rounds": times,
+                   "step_us": _median(steps_us["plain"]),
                    "modes": {m: {**paired_cost(times["plain"], times[m]),
+                                 **step_cost(steps_us["plain"], steps_us[m]),
                                  "run": {**check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens),
                                          "settle_ms": hooked[m].settle_ms}}
                              for m in args.modes}}
@@ -298,6 +350,8 @@ def print_table(results: list[dict], args) -> None:
             recorded = "; ".join(
                 f"{m}: {r['run']['with_kernels']}/{r['run']['decode_steps']} steps, median round "
                 f"{r['median_ratio']:.3f} [{r['median_low']:.3f}-{r['median_high']:.3f}]"
+                + (f", median step {r['step_delta_us']:+.1f} µs ({r['step_delta_pct']:+.2f}%)"
+                   if r.get("step_delta_us") is not None else "")
                 + (f", own account {100 * r['run']['accounted']:+.2f}% "
                    f"(+{r['run']['setup_ms']:.0f} ms set-up)"
                    if m == "sampled" and r["run"]["accounted"] is not None else "")

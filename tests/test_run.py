@@ -416,6 +416,31 @@ def test_case_study_table_runs_each_configuration_under_overshoot(tmp_path):
     assert bad.returncode == 2 and "unknown configuration ['eager-fast']" in bad.stderr
 
 
+def test_hook_overhead_pairs_rounds_and_times_every_decode_step_of_each_way(tmp_path):
+    """benchmarks/hook_overhead.py on the CPU (tiny, eager): plain and hooked rounds alternate; every way's
+    decode steps are stamped (each round's prefill and first decode left out), so each mode reports its
+    median step against plain's; the hooked recorder saw every decode step of its rounds."""
+    rounds, tokens = 3, 8
+    done = subprocess.run(
+        [sys.executable, REPO / "benchmarks" / "hook_overhead.py", "--preset", "tiny",
+         "--configs", "eager-torch", "--modes", "events,off", "--batches", "1", "--tokens", str(tokens),
+         "--rounds", str(rounds), "--out", tmp_path],
+        capture_output=True, text=True, timeout=300, env=cli_env(), cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "hook_overhead.json").read_text())["results"][0]["rows"][0]
+    assert row["rounds_done"] == rounds and row["step_us"] > 0
+    for mode in ("events", "off"):
+        cost = row["modes"][mode]
+        # a round of 8 tokens: 8 steps (prefill + 7 decodes), 7 durations between their starts, the first two
+        # (prefill, first decode) not counted; the first hooked round's warm-up generation not either
+        assert cost["steps"] == rounds * (tokens - 3), cost
+        assert cost["step_us"] > 0
+        assert cost["step_delta_us"] == pytest.approx(cost["step_us"] - row["step_us"])
+        assert cost["run"]["decode_steps"] >= rounds * (tokens - 1)
+    assert "median step" in done.stdout
+
+
 @pytest.mark.parametrize("drafter", ["host", "device"])
 def test_run_records_the_drafts_of_a_speculating_engine(tmp_path, drafter):
     """A reference server with --spec-tokens: each decode step's spec_tokens (drafts verified) lands in the
