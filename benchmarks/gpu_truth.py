@@ -262,10 +262,11 @@ def synthetic(args) -> list[dict]:
 
 def print_synthetic(rows: list[dict]) -> None:
     print("\nGPU busy ms (overshoot | torch.profiler), GPU idle % (kernels | sampled | set | profiler busy "
-          "over plain steps), CPU-bound % (overshoot | set), what-if % (projected | rerun, medians)")
+          "over plain steps), CPU-bound % (overshoot | set), what-if % (projected from the kernels run | "
+          "rerun, medians; and projected from the sampled run)")
     head = (f"{'case':13} {'mode':5} {'step ms':>7} {'busy':>6} {'prof':>6} {'idle k':>6} {'idle s':>6} "
             f"{'set':>5} {'prof':>5} {'bound':>5} {'set':>5} {'gpu-10 proj/rerun':>17} "
-            f"{'cpu proj/rerun':>15}")
+            f"{'cpu proj/rerun':>15} {'sampled gpu/cpu':>15}")
     print(head)
     for r in rows:
         b, s, prof = r["base"], r["sampled"], r["profiler"]
@@ -274,7 +275,7 @@ def print_synthetic(rows: list[dict]) -> None:
               f"{s['gpu_idle_pct']:6.1f} {s['set_idle_pct']:5.1f} {prof['idle_pct_here']:5.1f} "
               f"{b['cpu_bound_pct']:5.0f} {b['set_cpu_bound_pct']:5.0f} "
               f"{b['whatif_gpu_pct']:+8.1f}/{r['rerun_gpu_pct']:+7.1f} {b['whatif_cpu_pct']:+7.1f}/"
-              f"{r['rerun_cpu_pct']:+6.1f}")
+              f"{r['rerun_cpu_pct']:+6.1f} {s['whatif_gpu_pct']:+7.1f}/{s['whatif_cpu_pct']:+6.1f}")
 
 
 def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,
