@@ -419,6 +419,18 @@ def test_the_drain_threads_cpu_time_for_a_window_counts_in_its_cost(tmp_path):
     assert len(later) >= 1 and later[len(later) // 2] >= 0.5 * 10e6 / (0.5 * plain_ns), (gap_steps, plain_ns)
 
 
+def _launch_steps(rec: Recorder, collector: VirtualCollector, steps: int, *, rest_s: float = 0.0) -> None:
+    """Decode steps that launch KERNELS kernels each, then sleep `rest_s`."""
+    gpu_free = 0
+    for _ in range(steps):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+        if rest_s:
+            time.sleep(rest_s)
+
+
 def test_the_drain_thread_writes_the_kernel_records_not_the_engine_threads_flushes(tmp_path, monkeypatch):
     """Kernel records reach the spool from the thread that delivers them: the engine thread's flushes (every
     16 steps here) convert and write none while the run goes on; the close writes the last ones. Every
@@ -436,13 +448,7 @@ def test_the_drain_thread_writes_the_kernel_records_not_the_engine_threads_flush
     rec = Recorder(tmp_path, engine="virtual", gpu_timing="kernels", flush_steps=16)
     collector = VirtualCollector()
     rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=0.01)
-    gpu_free = 0
-    for _ in range(120):
-        rec.step_begin(batch_size=1, phase="decode")
-        with rec.busy("launch"):
-            for _ in range(KERNELS):
-                gpu_free = collector.launch(gpu_free)
-        time.sleep(0.001)  # the drain thread's turn
+    _launch_steps(rec, collector, 120, rest_s=0.001)  # the drain thread's turn after each step
     engine = threading.current_thread().name
     during = [(name, rows) for name, rows in writers]
     rec.close()
@@ -459,12 +465,7 @@ def test_settle_waits_for_the_drain_thread_to_write_what_came_before_the_pause(t
     rec = Recorder(tmp_path, engine="virtual", gpu_timing="kernels")
     collector = VirtualCollector()
     rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=30.0)  # never on its own
-    gpu_free = 0
-    for _ in range(20):
-        rec.step_begin(batch_size=1, phase="decode")
-        with rec.busy("launch"):
-            for _ in range(KERNELS):
-                gpu_free = collector.launch(gpu_free)
+    _launch_steps(rec, collector, 20)
     rec.pause()
     assert rec.settle(timeout=5.0)
     assert not collector.on and not collector.rows

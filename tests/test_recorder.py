@@ -589,6 +589,18 @@ def test_gpu_bound_waits_resolve_the_events_the_flush_would(tmp_path, wait_us):
         assert not any(in_wait)
 
 
+def _launch_wait_update(rec: Recorder, steps: int, *, launch_us: float, wait_us: float) -> None:
+    """Decode steps of an engine that launches, waits for the GPU, then updates (three spans a step)."""
+    for _ in range(steps):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("launch"):
+            spin(launch_us)
+        with rec.wait("gpu"):
+            spin(wait_us)
+        with rec.busy("update"):
+            spin(20)
+
+
 def _flushes_inside_waits(run) -> list[bool]:
     spans = run.spans
     flushes = spans[spans["label"] == "overshoot:flush"]
@@ -603,14 +615,7 @@ def test_buffers_filling_up_flush_inside_waits_not_between_steps(tmp_path):
     flush runs in a wait once they are 3/4 full, instead of between steps when they are full (which is what
     a flush due by count alone did: it could never be moved). Every step is still written."""
     rec = Recorder(tmp_path, engine="t", flush_steps=32, flush_seconds=3600)
-    for _ in range(200):
-        rec.step_begin(batch_size=1, phase="decode")
-        with rec.busy("launch"):
-            spin(20)
-        with rec.wait("gpu"):
-            spin(2000)
-        with rec.busy("update"):
-            spin(20)
+    _launch_wait_update(rec, 200, launch_us=20, wait_us=2000)
     rec.close()
     run = load_run(tmp_path)
     assert list(run.steps["step"]) == list(range(200))
@@ -642,14 +647,7 @@ def test_a_due_flush_runs_inside_the_next_wait_of_a_gpu_bound_stretch(tmp_path, 
     the start of the next wait (its time part of that wait), not between steps; after steps that did not wait
     it runs between steps. Every step and span is written either way."""
     rec = Recorder(tmp_path, engine="t", flush_seconds=0.0)  # a flush is due at every boundary
-    for _ in range(30):
-        rec.step_begin(batch_size=1, phase="decode")
-        with rec.busy("launch"):
-            spin(50)
-        with rec.wait("gpu"):
-            spin(wait_us)
-        with rec.busy("update"):
-            spin(20)
+    _launch_wait_update(rec, 30, launch_us=50, wait_us=wait_us)
     rec.close()
     run = load_run(tmp_path)
     assert list(run.steps["step"]) == list(range(30))
