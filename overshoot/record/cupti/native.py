@@ -285,7 +285,6 @@ class Cupti:
             "cuptiActivityGetNumDroppedRecords": [vp, u32, ctypes.POINTER(sz)],
             "cuptiFinalize": [],
             "cuptiSubscribe": [ctypes.POINTER(vp), vp, vp],
-            "cuptiUnsubscribe": [vp],
             "cuptiEnableCallback": [u32, vp, ctypes.c_int, u32],
         }
         self.missing = []

@@ -96,7 +96,6 @@ class Session:
         c.call("cuptiActivityRegisterCallbacks", self.shim.fnptr("ovs_buffer_requested"),
                self.shim.fnptr("ovs_buffer_completed"))
         self.calls = False  # launch calls from the shim's callback (else from API activity records)
-        self.subscriber: int | None = None
         if os.environ.get("OVERSHOOT_CUPTI_CALLS", "callbacks") != "activity":
             subscriber = ctypes.c_void_p()
             try:
@@ -104,7 +103,6 @@ class Session:
                 self.shim.setup_calls(c.fnptr("cuptiEnableCallback"), subscriber.value,
                                       records.launch_call_ids())
                 self.calls = True
-                self.subscriber = subscriber.value
             except native.CuptiError as e:
                 self.notes.append(f"launch callbacks refused ({e}): API activity records are used")
         self.clock = [self.sample_clock()]
