@@ -101,10 +101,7 @@ class CuptiCollector:
                 s.set_enabled(False)
                 Session.enabled_once = True
                 s.cupti.call("cuptiActivityFlushAll", 1)
-                while chunk := s.shim.take_completed():
-                    for addr, _ in chunk:
-                        if addr:
-                            s.shim.lib.ovs_recycle(addr)
+                s.shim.recycle(s.shim.take_all_completed())
                 if s.calls:
                     s.shim.take_calls()
         except native.CuptiError as e:
@@ -144,9 +141,7 @@ class CuptiCollector:
             s.cupti.call("cuptiActivityFlushAll", 1 if final else 0)  # 1: CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
             self.flush_all_ns += time.perf_counter_ns() - t
             gpu_parts, api_parts = [], []
-            buffers = []
-            while chunk := s.shim.take_completed():
-                buffers += chunk
+            buffers = s.shim.take_all_completed()
             try:
                 for addr, valid in buffers:
                     if addr and valid:
@@ -160,9 +155,7 @@ class CuptiCollector:
                             api_parts.append(api)
                             time.sleep(GIL_YIELD_S)
             finally:
-                for addr, _ in buffers:
-                    if addr:
-                        s.shim.lib.ovs_recycle(addr)
+                s.shim.recycle(buffers)
             if s.calls:  # after the flush: every call of a kernel flushed so far has returned
                 api_parts.append(records.call_columns(s.shim.take_calls()))
             if not s.monotonic:

@@ -143,6 +143,19 @@ class Shim:
         n = self.lib.ovs_take_completed(bufs, valid, max_n)
         return [(int(bufs[i] or 0), int(valid[i])) for i in range(n)]
 
+    def take_all_completed(self) -> list[tuple[int, int]]:
+        """Every buffer CUPTI has handed over so far: (address, valid bytes)."""
+        buffers = []
+        while chunk := self.take_completed():
+            buffers += chunk
+        return buffers
+
+    def recycle(self, buffers: list[tuple[int, int]]) -> None:
+        """Buffers taken with take_completed back to the shim's pool."""
+        for addr, _ in buffers:
+            if addr:
+                self.lib.ovs_recycle(addr)
+
     def walk(self, addr: int, valid: int, sizes: dict) -> tuple[np.ndarray, np.ndarray]:
         table = np.zeros(64, np.uint32)
         for k, s in sizes.items():
