@@ -288,9 +288,21 @@ def test_port_in_use(tmp_path, free_port):
     assert_clean_error(result, f"port {free_port} on 127.0.0.1 is in use")
 
 
+def _leave_time_wait(port: int) -> None:
+    """A connection on `port` whose listening side closes first: that side's socket stays in TIME_WAIT."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the active close: this side (local port `port`) goes to TIME_WAIT
+            client.recv(1)
+
+
 def test_literal_port_in_the_command_then_the_same_port_again_at_once(tmp_path, free_port):
     """A server command with `--port N` (no {port}) is watched on N, not on 8000; right after that run its
-    port is free for the next one although the run's connections linger in TIME_WAIT."""
+    port is free for the next one although a connection on it lingers in TIME_WAIT."""
     server = [sys.executable, "-m", "reference_engine", "serve", "--preset", "tiny", "--device", "cpu",
               "--port", str(free_port)]
     first = overshoot("run", "--concurrency", "1", "--requests", "2", "--max-tokens", "8", "--warmup", "0",
@@ -298,6 +310,9 @@ def test_literal_port_in_the_command_then_the_same_port_again_at_once(tmp_path, 
     assert first.returncode == 0, first.stdout + first.stderr
     assert f"on http://127.0.0.1:{free_port}" in first.stdout
     assert meta_of(tmp_path / "first")["options"]["port"] == free_port
+    # Whether the run's own connections linger in TIME_WAIT on the port depends on which side closed
+    # first; leave one there for certain, so the next run has to see past it.
+    _leave_time_wait(free_port)
     with socket.socket() as plain:  # without SO_REUSEADDR the port reads as taken: TIME_WAIT is there
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", free_port))
