@@ -144,11 +144,15 @@ def simulate_kernel_timeline(
     start_ns: int = 10_000_000_000,
     batch_size: int = 4,
     phase: str = "decode",
+    collector_us: float = 0.0,
+    instrumented: np.ndarray | None = None,
 ) -> KernelTimeline:
     """An engine whose GPU work is `kernels` launches a step, each a host call of `launch_us` that enqueues a
     kernel of `kernel_us`; a kernel starts at max(its launch + `latency_us`, the previous kernel's end).
     Each step: busy `pre_ms`, the launches, a wait (sync: for its own batch; async: for the previous one),
-    busy `post_ms`. The truth is computed here, arithmetically: per-step GPU busy and idle share."""
+    busy `post_ms`. The truth is computed here, arithmetically: per-step GPU busy and idle share.
+    `collector_us`: what kernel timing adds to each launch call of the `instrumented` steps (bool per step;
+    None: every step), as CUPTI's callbacks do."""
     t = float(start_ns)
     gpu_free = 0.0
     pending_end: float | None = None
@@ -158,6 +162,7 @@ def simulate_kernel_timeline(
     corr = 0
     for i in range(n):
         begin = t
+        call_us = launch_us + (collector_us if instrumented is None or instrumented[i] else 0.0)
         spans.append((i, "busy", "schedule", int(t), int(pre_ms * 1e6)))
         t += pre_ms * 1e6
         launch_start = t
@@ -167,9 +172,9 @@ def simulate_kernel_timeline(
             gpu_free = k_start + kernel_us * 1e3
             first = k_start if first is None else first
             corr += 1
-            launch_end = int(t + launch_us * 1e3)
+            launch_end = int(t + call_us * 1e3)
             rows.append(("kernel", "k", 7, corr, int(t), launch_end, int(k_start), int(gpu_free)))
-            t += launch_us * 1e3
+            t += call_us * 1e3
         spans.append((i, "busy", "launch", int(launch_start), int(t - launch_start)))
         gpu.append((i, int(first), int(gpu_free)))
         awaited = gpu_free if mode == "sync" else pending_end

@@ -142,7 +142,8 @@ def test_max_plus_scan_equals_the_step_loop(seed):
         gap=rng.exponential(1e4, n) * (rng.random(n) > 0.8), c0=rng.exponential(2e5, n),
         c1=rng.exponential(1e5, n), c2=rng.exponential(5e4, n), wait_first=wait_first,
         gpu_ns=np.where(has_gpu, rng.exponential(3e5, n), 0.0), has_gpu=has_gpu, kernels=None,
-        kernel_step=np.zeros(n, bool), busy_est=np.full(n, np.nan), awaited=awaited.astype("int64"),
+        kernel_step=np.zeros(n, bool), busy_est=np.full(n, np.nan), busy_group=np.full(n, -1),
+        awaited=awaited.astype("int64"),
         residual=rng.exponential(3e3, n), fixed_wait=np.where(awaited < 0, rng.exponential(1e4, n), 0.0),
     )
     for cpu, gpu in ((1.0, 1.0), (0.9, 1.0), (1.0, 0.9)):

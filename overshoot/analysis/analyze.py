@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 from pandas.core.groupby import SeriesGroupBy
 
-from overshoot.analysis.frames import codes_and_names, per_step, positions, worker_rows
+from overshoot.analysis.frames import codes_and_names, group_ids, per_step, positions, worker_rows
 from overshoot.analysis.kernels import SOURCES, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
@@ -172,7 +172,7 @@ def summarize(
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
     kept, left_out = _summarised(drop_warmup(timeline, warmup_steps))
     keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
-    ids = _group_ids(kept, keys) if len(kept) else None  # the what-ifs' groups and the table's
+    ids = group_ids(kept, keys) if len(kept) else None  # the what-ifs' groups and the table's
     group_of = None
     if ids is not None and what_ifs and len(kept) == len(timeline):
         group_of = ids[0]  # every step kept, in the timeline's order
@@ -228,29 +228,11 @@ def _left_out_note(windows: pd.Series) -> str:
     return f"{' and '.join(parts)} are not summarised"
 
 
-def _group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Group id per row (groups in sorted key order, nulls last) and the first row of each group."""
-    codes, sizes = [], []
-    for key in keys:
-        c, uniques = pd.factorize(df[key], sort=True, use_na_sentinel=False)
-        codes.append(c)
-        sizes.append(max(len(uniques), 1))
-    combined = np.ravel_multi_index(codes, sizes) if len(keys) > 1 else codes[0]
-    # The combined codes are small and dense: number the present ones by counting, not by sorting rows.
-    present = np.flatnonzero(np.bincount(combined, minlength=1))
-    number = np.zeros(int(combined.max(initial=0)) + 1, "int64")
-    number[present] = np.arange(len(present))
-    group_id = number[combined]
-    first_row = np.full(len(present), len(df), "int64")
-    np.minimum.at(first_row, group_id, np.arange(len(df)))
-    return group_id, first_row
-
-
 def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
                group_change_ms: dict[str, np.ndarray] | None = None,
                ids: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
-    """The group table; `ids`: _group_ids(df, keys) when known."""
-    group_id, first_row = ids if ids is not None else _group_ids(df, keys)
+    """The group table; `ids`: group_ids(df, keys) when known."""
+    group_id, first_row = ids if ids is not None else group_ids(df, keys)
     n_groups = len(first_row)
 
     def total(values: np.ndarray) -> np.ndarray:
@@ -417,6 +399,23 @@ def group_title(row: dict, keys: list[str]) -> str:
     return f"{row['phase']} @ {batch}"
 
 
+def _collector_notes(primary: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
+    """What kernel timing cost the launches, where the run measured it, and where it could not."""
+    notes = []
+    cost = primary["_collector_ns"].to_numpy("float64") if "_collector_ns" in primary.columns else None
+    if cost is not None and not np.isnan(cost).all():
+        us = np.nanmedian(cost) / 1e3
+        notes.append(f"what-if: kernel timing made each launch call {us:.1f} µs longer (CPU busy of "
+                     "instrumented against plain steps, per group); the replay takes that out of the "
+                     "instrumented steps")
+    every = int((groups["gpu_timing"] == "kernels").sum()) if "gpu_timing" in groups.columns else 0
+    if every:
+        notes.append(f"what-if: every step of {every} group(s) was instrumented, so what kernel timing "
+                     "adds to each launch (no plain steps to measure it against) stays in their CPU side; "
+                     "--gpu-timing sampled measures it and takes it out")
+    return notes
+
+
 def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, warmup_steps) -> list[str]:
     notes = [f"primary timeline: pid {pid} thread {thread!r} (the thread with the most steps)"]
     others = full[~on_primary]
@@ -469,6 +468,7 @@ def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, 
             f"what-if: replay of the recorded CPU/GPU dependencies (reproduces the recorded step "
             f"time within {abs(proj.fit_error or 0.0) * 100:.1f}%)"
         )
+        notes += _collector_notes(full[on_primary], groups)
     elif proj.model == "none":
         pass
     elif guess.mode == "async":

@@ -111,3 +111,21 @@ def worker_rows(steps: pd.DataFrame) -> np.ndarray:
     if "rank" not in steps.columns:
         return np.zeros(len(steps), bool)
     return pd.to_numeric(steps["rank"], errors="coerce").notna().to_numpy()
+
+
+def group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Group id per row (groups in sorted key order, nulls last) and the first row of each group."""
+    codes, sizes = [], []
+    for key in keys:
+        c, uniques = pd.factorize(df[key], sort=True, use_na_sentinel=False)
+        codes.append(c)
+        sizes.append(max(len(uniques), 1))
+    combined = np.ravel_multi_index(codes, sizes) if len(keys) > 1 else codes[0]
+    # The combined codes are small and dense: number the present ones by counting, not by sorting rows.
+    present = np.flatnonzero(np.bincount(combined, minlength=1))
+    number = np.zeros(int(combined.max(initial=0)) + 1, "int64")
+    number[present] = np.arange(len(present))
+    group_id = number[combined]
+    first_row = np.full(len(present), len(df), "int64")
+    np.minimum.at(first_row, group_id, np.arange(len(df)))
+    return group_id, first_row

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import run_starts, str_column, worker_rows
+from overshoot.analysis.frames import group_ids, run_starts, str_column, worker_rows
 
 # Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
 SOURCES = ("kernels", "estimate", "events", "none")
@@ -33,12 +33,14 @@ class StepKernels:
     last_ns: np.ndarray  # last kernel end
     idle_before_ns: np.ndarray  # first start - end of all earlier kernels (NaN: previous step not recorded)
     launch_ns: np.ndarray  # host time inside the launch calls (a graph launch counted once)
+    launches: np.ndarray  # launch calls (a graph launch counted once)
     first_launch_ns: np.ndarray  # host time of the step's first launch
     latency_ns: float  # median launch-to-start of kernels launched onto an idle stream
     empty_windows: int  # kernel-timing windows with no record launched inside (records lost): not used
     # Kernel chains for the replay: kernel rows of instrumented steps, grouped by step (contiguous).
     chain_step: np.ndarray  # timeline row of each chained kernel
     chain_offset: np.ndarray  # launch - the step's first launch (host ns)
+    chain_launch: np.ndarray  # how many of the step's launch calls came before this kernel's
     chain_rest: np.ndarray  # duration of this kernel and every later one of the step (ns)
     chain_total: np.ndarray  # per step: sum of kernel durations (NaN where not instrumented)
 
@@ -73,8 +75,9 @@ def empty_kernels(n: int, *, filled: bool = True) -> StepKernels:
     def nan() -> np.ndarray:
         return np.full(n, np.nan) if shared is None else shared
 
-    return StepKernels(np.zeros(n, bool), nan(), nan(), nan(), nan(), nan(), nan(), nan(), DEFAULT_LATENCY_NS,
-                       0, np.empty(0, "int64"), np.empty(0), np.empty(0), nan())
+    chains = np.empty(0, "int64"), np.empty(0), np.empty(0), np.empty(0)
+    return StepKernels(np.zeros(n, bool), nan(), nan(), nan(), nan(), nan(), nan(), nan(), nan(),
+                       DEFAULT_LATENCY_NS, 0, *chains, nan())
 
 
 def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
@@ -124,6 +127,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     out.kernels = np.where(inst, 0.0, np.nan)
     out.busy_ns = np.where(inst, 0.0, np.nan)
     out.launch_ns = np.where(inst, 0.0, np.nan)
+    out.launches = np.where(inst, 0.0, np.nan)
     out.chain_total = np.where(inst, 0.0, np.nan)
     if not inside.any():
         return out
@@ -167,6 +171,11 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     before = np.cumsum(d) - d - np.repeat(np.cumsum(d)[heads] - d[heads], counts)
     out.chain_step = r.astype("int64")
     out.chain_offset = k - np.repeat(k[heads], counts)
+    new_call = np.ones(len(r), bool)  # a graph's kernels share their launch call (and its time)
+    new_call[1:] = (r[1:] != r[:-1]) | (k[1:] != k[:-1])
+    calls = np.cumsum(new_call) - 1
+    out.chain_launch = (calls - np.repeat(calls[heads], counts)).astype("float64")
+    out.launches[steps_with] = np.add.reduceat(new_call, heads)
     out.chain_rest = np.repeat(total, counts) - before
     return out
 
@@ -240,7 +249,10 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     measured = inst & ~np.isnan(cols["gpu_busy_ms"])
     idle = np.where(measured, np.nan_to_num(before) + np.nan_to_num(cols["gpu_idle_in_step_ms"]), np.nan)
     source = np.where(measured, 0, 3).astype("int8")
-    busy_est = _group_median(out, np.where(measured, cols["gpu_busy_ms"], np.nan)) if measured.any() else nan
+    # The unit whose instrumented steps stand for its plain ones (GPU busy here, the GPU work's shape and the
+    # collector's cost in whatif.py): concurrency, phase and batch size.
+    group = busy_groups(out) if measured.any() else np.full(n, -1, "int64")
+    busy_est = group_stat(group, np.where(measured, cols["gpu_busy_ms"], np.nan), "median")
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
     source[estimate] = 1
@@ -257,14 +269,52 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     out["cpu_bound"] = verdict
     out["thread_never_waited"] = out["wait_ms"].to_numpy() <= cpu_bound_ms
     out["_gpu_busy_est_ms"] = busy_est
+    out["_busy_group"] = group
+    plain = np.zeros(n, bool)
+    plain[rows] = ~sk.instrumented
+    launches = nan.copy()
+    launches[rows] = sk.launches
+    busy = out["busy_ms"].to_numpy(dtype="float64") * 1e6
+    out["_collector_ns"] = collector_cost(group, busy, measured, plain, launches) if measured.any() else nan
     return sk
 
 
-def _group_median(df: pd.DataFrame, values: np.ndarray) -> np.ndarray:
-    """Per row: the median of `values` (NaN ignored) over its group (concurrency, phase, batch size): one
+# Steps of a group, instrumented and plain each, needed to measure what kernel timing costs its launches.
+MIN_STEPS_FOR_COST = 5
+
+
+def collector_cost(group: np.ndarray, busy_ns: np.ndarray, measured: np.ndarray, plain: np.ndarray,
+                   launches: np.ndarray) -> np.ndarray:
+    """Per row: what kernel timing added to each launch call of its group's instrumented steps (ns), from
+    the group's median CPU busy inside windows and outside them, over its median launch calls a step
+    (NaN: the group lacks MIN_STEPS_FOR_COST of either, as in kernels mode where every step is
+    instrumented). CUPTI's work runs inside the launch calls; nothing else differs between the two."""
+    inside = group_stat(group, np.where(measured, busy_ns, np.nan), "median")
+    outside = group_stat(group, np.where(plain, busy_ns, np.nan), "median")
+    enough = (group_stat(group, np.where(measured, 1.0, np.nan), "count") >= MIN_STEPS_FOR_COST) & (
+        group_stat(group, np.where(plain, 1.0, np.nan), "count") >= MIN_STEPS_FOR_COST)
+    calls = group_stat(group, np.where(measured, launches, np.nan), "median")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.maximum(inside - outside, 0.0) / calls
+    return np.where(enough & (calls > 0), cost, np.nan)
+
+
+def busy_groups(df: pd.DataFrame) -> np.ndarray:
+    """Per row: a number for its (concurrency, phase, batch size)."""
+    return group_ids(df, [k for k in ("concurrency", "phase", "batch_size") if k in df.columns])[0]
+
+
+def group_stat(group: np.ndarray, values: np.ndarray, how: str) -> np.ndarray:
+    """Per row: `how` ("median", "count") of `values` (NaN ignored) over the row's group (-1: none): one
     step whose records were cut short must not move the whole group's estimate."""
-    keys = [k for k in ("concurrency", "phase", "batch_size") if k in df.columns]
-    if np.isnan(values).all():
-        return np.full(len(df), np.nan)
-    frame = df[keys].assign(_v=values)
-    return frame.groupby(keys, dropna=False, sort=False)["_v"].transform("median").to_numpy(dtype="float64")
+    empty = 0.0 if how == "count" else np.nan
+    known = ~np.isnan(values) & (group >= 0)
+    if not known.any():
+        return np.full(len(values), empty)
+    lookup = np.full(int(group.max()) + 2, empty)  # the last entry: rows of no group (-1)
+    if how == "count":
+        lookup[:-1] = np.bincount(group[known], minlength=len(lookup) - 1)
+    else:
+        stat = pd.Series(values[known]).groupby(group[known]).agg(how)
+        lookup[stat.index.to_numpy()] = stat.to_numpy("float64")
+    return lookup[group]

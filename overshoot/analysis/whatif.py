@@ -8,8 +8,11 @@ max(previous GPU end' + D, L' + K), by what the step's GPU data can tell:
 - kernels recorded (analysis/kernels.py): each kernel starts at max(its launch' + launch latency, the
   previous kernel's end'), so D = the kernels' durations and K = max over kernels of (launch offset' +
   latency + the remaining durations); `cpu` scales launch offsets, `gpu` scales kernels;
-- a plain step of a group with recorded kernels: D = the group's GPU busy, K = max(D, interval x cpu): the
-  work ends no sooner than all of it at full speed, nor before the launches (spread over its interval) end;
+- a plain step of a group with recorded kernels: D = the group's GPU busy, K = max(D, interval x r), r the
+  group's median change of K on its instrumented steps (GPU-bound groups follow their kernels, launch-bound
+  ones their launches); a group without one: r = the CPU scale;
+- instrumented steps of a sampled run lose what kernel timing added to their launch calls (measured per
+  group against plain steps, kernels.collector_cost): the replay projects the engine as it runs unobserved;
 - CUDA events only: one block, D = K = the interval (which holds the gaps between kernels: a faster CPU
   cannot shorten it, a known limit that the report names).
 Fallback without any GPU times: a per-step model.
@@ -18,7 +21,7 @@ Fallback without any GPU times: a per-step model.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -209,9 +212,15 @@ class _Plan:
     kernels: StepKernels | None  # kernel chains of instrumented steps
     kernel_step: np.ndarray  # the step's GPU work is replayed kernel by kernel
     busy_est: np.ndarray  # plain step of a group with kernel data: the group's GPU busy (ns), else NaN
+    busy_group: np.ndarray  # the step's group (kernels.busy_groups) where busy_est is known anywhere, else -1
     awaited: np.ndarray  # row index of the GPU work the wait awaits, -1: a wait on something else
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
+
+    @cached_property
+    def chain_k1(self) -> np.ndarray:
+        """K of the instrumented steps at the recorded speeds (NaN elsewhere)."""
+        return self.kernels.replay_terms(1.0, 1.0)
 
     @cached_property
     def pattern(self) -> _Pattern:
@@ -232,6 +241,9 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     launch = _launch_point(tl, spans, kernels, kernel_step, g_start, ws, has_gpu, start, end)
     wait_first, c0, c1, c2 = _segments(start, end, ws, we, launch, has_gpu, has_wait)
     del launch
+    if kernels is not None and "_collector_ns" in tl.columns:
+        kernels = _without_collector(kernels, kernel_step, tl["_collector_ns"].to_numpy("float64"),
+                                     wait_first, c1, c2)
     # Busy inside the merged wait region is CPU work: it counts after the wait.
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
     awaited, residual = _awaited(ws, we, wait_union, has_wait, g_end, has_gpu, inner_busy)
@@ -244,13 +256,31 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
     del g_start, g_end
     busy_est = np.full(len(tl), np.nan)
+    busy_group = np.full(len(tl), -1, "int64")
     if kernels is not None and "_gpu_busy_est_ms" in tl.columns:
         busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
                             np.nan)
+        busy_group = tl["_busy_group"].to_numpy("int64")
     np.maximum(c0, 0, out=c0)
     np.maximum(c1, 0, out=c1)
-    return _Plan(gap, c0, c1, c2, wait_first, gpu_ns, has_gpu, kernels, kernel_step, busy_est, awaited,
-                 residual, fixed_wait)
+    return _Plan(gap, c0, c1, c2, wait_first, gpu_ns, has_gpu, kernels, kernel_step, busy_est, busy_group,
+                 awaited, residual, fixed_wait)
+
+
+def _without_collector(kernels: StepKernels, kernel_step: np.ndarray, cost: np.ndarray,
+                       wait_first: np.ndarray, c1: np.ndarray, c2: np.ndarray) -> StepKernels:
+    """Instrumented steps as the engine runs them unobserved: each launch call of the step (counted from
+    its first launch, the launch point) was `cost` ns longer under kernel timing, so the busy segment that
+    holds the launches (c1, or c2 when the step waits first) and each kernel's launch offset shrink by
+    what the calls before it added. c1 and c2 change in place."""
+    cost = np.where(kernel_step, np.nan_to_num(cost), 0.0)
+    if not cost.any():
+        return kernels
+    extra = cost * np.nan_to_num(kernels.launches)
+    c1 -= np.where(wait_first, 0.0, extra)
+    c2 -= np.where(wait_first, extra, 0.0)
+    offset = np.maximum(kernels.chain_offset - cost[kernels.chain_step] * kernels.chain_launch, 0.0)
+    return replace(kernels, chain_offset=offset)
 
 
 def _wait_region(tl: pd.DataFrame, spans: pd.DataFrame | None, end: np.ndarray,
@@ -334,16 +364,36 @@ def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarra
     """(D, K) per step: its GPU work ends at max(previous GPU end + D, launch' + K) (module docstring)."""
     block = _scaled(p.gpu_ns, gpu_scale)
     d, k = block, block
+    chain_k = None
+    if p.kernels is not None and p.kernel_step.any():
+        chain_k = p.kernels.replay_terms(cpu_scale, gpu_scale)
     estimate = ~np.isnan(p.busy_est)
     if estimate.any():
         busy = p.busy_est * gpu_scale
         d = np.where(estimate, busy, d)
-        k = np.where(estimate, np.maximum(busy, p.gpu_ns * cpu_scale), k)
-    if p.kernels is not None and p.kernel_step.any():
-        chain_k = p.kernels.replay_terms(cpu_scale, gpu_scale)
+        # The plain step's interval changes as its group's instrumented steps' K does (launch-bound: with the
+        # CPU; GPU-bound: with the kernels); a group without one: as if its launches bounded it.
+        ratio = _group_ratio(p, chain_k) if chain_k is not None else np.full(len(d), np.nan)
+        k_est = np.where(np.isnan(ratio), p.gpu_ns * cpu_scale, p.gpu_ns * ratio)
+        k = np.where(estimate, np.maximum(busy, k_est), k)
+    if chain_k is not None:
         d = np.where(p.kernel_step, p.kernels.chain_total * gpu_scale, d)
         k = np.where(p.kernel_step, chain_k, k)
     return d, k
+
+
+def _group_ratio(p: _Plan, chain_k: np.ndarray) -> np.ndarray:
+    """Per step: the median, over the instrumented steps of its group, of K at the what-if's scales over K
+    as recorded (NaN: its group has none)."""
+    k1 = p.chain_k1
+    rows = np.flatnonzero(p.kernel_step & (p.busy_group >= 0) & (k1 > 0) & ~np.isnan(chain_k))
+    out = np.full(len(k1), np.nan)
+    if len(rows) == 0:
+        return out
+    medians = pd.Series(chain_k[rows] / k1[rows]).groupby(p.busy_group[rows]).median()
+    known = p.busy_group >= 0
+    out[known] = medians.reindex(p.busy_group[known]).to_numpy("float64")
+    return out
 
 
 def _scaled(values: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
