@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
@@ -152,6 +154,8 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> d
         "whatif_cpu_pct": float(g[f"whatif:{what_ifs[1].label}"]),
         "cpu_whatif_share": cpu_share,
         "kernel_steps": int(g["kernel_steps"]),
+        # what kernel timing added to each launch call, as the run measured it (sampled runs only)
+        "collector_us": _collector_us(steps),
         "steps": int(g["steps"]),
         # truth from the settings, per step of this run: the set kernel time over its own step time
         "set_idle_pct": 100 * (1 - p["kernels"] * p["kernel_us"] / 1e3 / steps["step_ms"]).mean(),
@@ -237,6 +241,11 @@ def _profile_main(case: str, mode: str, steps: int, cycles: float) -> dict:
             "profiler_idle_pct": 100 * (1 - busy / plain_ms)}
 
 
+def _collector_us(steps) -> float | None:
+    cost = steps["_collector_ns"].to_numpy("float64") if "_collector_ns" in steps.columns else None
+    return None if cost is None or np.isnan(cost).all() else float(np.nanmedian(cost) / 1e3)
+
+
 def synthetic(args) -> list[dict]:
     cycles = cycles_per_us()
     rows = []
@@ -263,10 +272,11 @@ def synthetic(args) -> list[dict]:
 def print_synthetic(rows: list[dict]) -> None:
     print("\nGPU busy ms (overshoot | torch.profiler), GPU idle % (kernels | sampled | set | profiler busy "
           "over plain steps), CPU-bound % (overshoot | set), what-if % (projected from the kernels run | "
-          "rerun, medians; and projected from the sampled run)")
+          "rerun, medians; and projected from the sampled run, with the µs it measured kernel timing to add "
+          "to each launch call)")
     head = (f"{'case':13} {'mode':5} {'step ms':>7} {'busy':>6} {'prof':>6} {'idle k':>6} {'idle s':>6} "
             f"{'set':>5} {'prof':>5} {'bound':>5} {'set':>5} {'gpu-10 proj/rerun':>17} "
-            f"{'cpu proj/rerun':>15} {'sampled gpu/cpu':>15}")
+            f"{'cpu proj/rerun':>15} {'sampled gpu/cpu':>15} {'µs/launch':>9}")
     print(head)
     for r in rows:
         b, s, prof = r["base"], r["sampled"], r["profiler"]
@@ -275,7 +285,8 @@ def print_synthetic(rows: list[dict]) -> None:
               f"{s['gpu_idle_pct']:6.1f} {s['set_idle_pct']:5.1f} {prof['idle_pct_here']:5.1f} "
               f"{b['cpu_bound_pct']:5.0f} {b['set_cpu_bound_pct']:5.0f} "
               f"{b['whatif_gpu_pct']:+8.1f}/{r['rerun_gpu_pct']:+7.1f} {b['whatif_cpu_pct']:+7.1f}/"
-              f"{r['rerun_cpu_pct']:+6.1f} {s['whatif_gpu_pct']:+7.1f}/{s['whatif_cpu_pct']:+6.1f}")
+              f"{r['rerun_cpu_pct']:+6.1f} {s['whatif_gpu_pct']:+7.1f}/{s['whatif_cpu_pct']:+6.1f} "
+              f"{'-' if s['collector_us'] is None else format(s['collector_us'], '.2f'):>9}")
 
 
 def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,

@@ -118,6 +118,15 @@ def test_mode_detected_from_data(tmp_path, mode):
     assert summarize(run, mode="async" if mode == "sync" else "sync").mode.source == "option"
 
 
+def test_blocked_waits_decide_the_mode_over_a_hint(tmp_path):
+    """A sync engine that blocks on its own work reads as sync from the data even where the run's hint says
+    async (a wrong flag must not turn every projection asynchronous)."""
+    frames = simulate_timeline(60, mode="sync", cpu_ms=0.5, gpu_ms=1.0)
+    summary = summarize(load_run(write_run(tmp_path / "r", frames, meta={"async_scheduling": True})))
+    assert (summary.mode.mode, summary.mode.source) == ("sync", "data")
+    assert "of steps that blocked" in summary.mode.detail
+
+
 def test_mode_hint_without_gpu_times(tmp_path):
     frames = simulate_timeline(20, mode="async")
     frames.gpu = frames.gpu.iloc[:0]

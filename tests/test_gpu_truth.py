@@ -188,3 +188,19 @@ def test_the_top_line_names_the_verdict_the_dominant_label_and_the_best_change(t
     frames.gpu = frames.gpu.iloc[:0]
     (line,) = build_report(load_run(write_run(tmp_path / "cpu", frames)))["top_lines"]
     assert "no GPU data" in line and "CPU-bound:" not in line
+
+
+def test_a_cpu_bound_async_step_whose_own_work_ended_by_its_wait_stays_async(tmp_path):
+    """Launch calls of 31 µs against 30 µs kernels: the async engine's own batch has ended by the time the
+    thread reaches its wait, which never blocks. Those waits cannot tell sync from async, so the run's
+    scheduling hint decides; and the replay keeps each wait on the batch before, as the engine does, so
+    10% less CPU work gains its 10% (it read -4.4%: a faster CPU turned the replay synchronous)."""
+    params = dict(kernels=20, kernel_us=30.0, launch_us=31.0, pre_ms=0.1, post_ms=0.05)
+    truth = simulate_kernel_timeline(200, mode="async", **params)
+    run = load_run(write_kernel_run(tmp_path / "r", truth, meta={"async_scheduling": True}))
+    summary = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER])
+    assert (summary.mode.mode, summary.mode.source) == ("async", "meta")
+    assert "hardly ever blocked" in summary.mode.detail
+    _assert_what_ifs_match_reruns(summary.groups.iloc[0], truth, "async", params)
+    assert summary.groups.iloc[0]["whatif:cpu-10%"] == pytest.approx(-10.0, abs=0.5)
+

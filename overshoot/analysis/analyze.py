@@ -73,30 +73,44 @@ def detect_mode(
 
     Data first. A sync engine waits for the GPU work it launched in the same step, so that work has ended by
     the end of the step's last wait; an async engine waits for the batch launched one record earlier, and the
-    work it just launched is still running when that wait ends. So among steps with GPU times and a wait, the
-    share whose own GPU work ended by their last wait's end (+ tolerance) decides: above half, sync.
-    (Limit: in
-    an extremely CPU-bound async engine whose GPU work finishes before the thread reaches its wait this reads
-    as sync; --mode overrides.) Without wait spans: GPU work that outlives its step means async. Without GPU
-    times: a hint in meta.json / the per-process json (`async_scheduling` bool, `scheduling`, or the server
-    command's --async-scheduling / --no-async-scheduling flag); else sync.
+    work it just launched is still running when that wait ends. So among steps with GPU times and a wait that
+    blocked (longer than NEVER_WAITED_MS), the share whose own GPU work ended by their last wait's end
+    (+ tolerance) decides: above half, sync. A wait that did not block tells nothing: a CPU-bound async
+    engine's own work has often ended by then too (kernel timing's cost on the launches makes a mixed async
+    engine so). Where fewer than 3 steps blocked, the scheduling hint below decides; without one, all steps
+    with a wait do. Without wait spans: GPU work that outlives its step means async. Without GPU times: a
+    hint in meta.json / the per-process json (`async_scheduling` bool, `scheduling`, or the server command's
+    --async-scheduling / --no-async-scheduling flag); else sync.
     """
     if override:
         return ModeGuess(override, "option")
+    hint = _hinted_mode(meta, processes)
     has_gpu = df["gpu_end_ns"].notna().to_numpy()
     if has_gpu.sum() >= 3:
         wait_end = _last_wait_end(df, spans)
         usable = has_gpu & ~np.isnan(wait_end)
         gpu_end = df["gpu_end_ns"].to_numpy(dtype="float64")
-        if usable.sum() >= 3:
-            own = gpu_end[usable] <= wait_end[usable] + ASYNC_END_TOLERANCE_NS
+        blocked = usable & (df["wait_ms"].to_numpy(dtype="float64") > NEVER_WAITED_MS)
+        if blocked.sum() >= 3 or (usable.sum() >= 3 and hint is None):
+            rows = blocked if blocked.sum() >= 3 else usable
+            own = gpu_end[rows] <= wait_end[rows] + ASYNC_END_TOLERANCE_NS
             share = float(own.mean())
             mode = "sync" if share > ASYNC_SHARE else "async"
-            return ModeGuess(mode, "data", f"{share:.0%} of steps wait for the GPU work they launched")
-        outlives = gpu_end[has_gpu] > df["end_ns"].to_numpy()[has_gpu] + ASYNC_END_TOLERANCE_NS
-        share = float(outlives.mean())
-        mode = "async" if share > ASYNC_SHARE else "sync"
-        return ModeGuess(mode, "data", f"no wait spans; GPU work outlives its step in {share:.0%} of steps")
+            which = "steps that blocked" if rows is blocked else "steps"
+            return ModeGuess(mode, "data", f"{share:.0%} of {which} wait for the GPU work they launched")
+        if usable.sum() < 3:
+            outlives = gpu_end[has_gpu] > df["end_ns"].to_numpy()[has_gpu] + ASYNC_END_TOLERANCE_NS
+            share = float(outlives.mean())
+            mode = "async" if share > ASYNC_SHARE else "sync"
+            detail = f"no wait spans; GPU work outlives its step in {share:.0%} of steps"
+            return ModeGuess(mode, "data", detail)
+        detail = "the thread hardly ever blocked in a wait, so the data cannot tell"
+        return ModeGuess(hint.mode, hint.source, f"{detail}; {hint.detail}" if hint.detail else detail)
+    return hint or ModeGuess("sync", "default", "no GPU times and no scheduling hint: assumed sync")
+
+
+def _hinted_mode(meta: dict | None, processes: list | None) -> ModeGuess | None:
+    """The scheduling the run's meta.json or process records name, if any."""
     for source in [meta or {}] + list(processes or []):
         for where in (source, source.get("process_info") or {}, source.get("options") or {}):
             if isinstance(where.get("async_scheduling"), bool):
@@ -107,7 +121,7 @@ def detect_mode(
         for flag, mode in (("--async-scheduling", "async"), ("--no-async-scheduling", "sync")):
             if isinstance(command, list) and flag in command:
                 return ModeGuess(mode, "meta", f"server command has {flag}")
-    return ModeGuess("sync", "default", "no GPU times and no scheduling hint: assumed sync")
+    return None
 
 
 def _last_wait_end(df: pd.DataFrame, spans: pd.DataFrame | None) -> np.ndarray:

@@ -116,7 +116,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     l_end = kernels["launch_end_ns"].to_numpy("float64", na_value=np.nan)
     key = np.where(np.isnan(l_start), g_start, l_start)
     inst, empty_windows = instrumented_steps(start, end, windows, key)
-    latency = launch_latency(kernels, g_start, g_end, l_start)
+    latency = launch_latency(kernels, g_start, g_end, l_start, window=window_of(key, windows))
     row = np.searchsorted(start, key, side="right") - 1
     inside = (row >= 0) & (key < end[np.maximum(row, 0)])
     inside &= inst[np.maximum(row, 0)]
@@ -180,15 +180,32 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     return out
 
 
+def window_of(key: np.ndarray, windows: pd.DataFrame | None) -> np.ndarray | None:
+    """Per kernel record (by its launch time `key`): the number of the kernel-timing window it was launched
+    in (-1: none); None when the run has no windows (it was recorded whole)."""
+    if windows is None or len(windows) == 0:
+        return None
+    w = windows.sort_values("start_ns")
+    w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
+    i = np.searchsorted(w_start, key, side="right") - 1
+    return np.where((i >= 0) & (key < w_end[np.maximum(i, 0)]), i, -1)
+
+
 def launch_latency(kernels: pd.DataFrame, g_start: np.ndarray, g_end: np.ndarray,
-                   l_start: np.ndarray) -> float:
-    """Median launch-call start to GPU start of kernels whose stream was idle at their launch."""
+                   l_start: np.ndarray, *, window: np.ndarray | None = None) -> float:
+    """Median launch-call start to GPU start of kernels whose stream was idle at their launch. With windows
+    (`window`: window_of), a window's first kernel on a stream is no sample: the work before it was not
+    recorded, so an idle stream cannot be told from one still running unrecorded work (on a GPU-bound
+    engine every window would add the queue's whole wait as a "latency")."""
     stream = kernels["stream"].to_numpy("float64", na_value=0.0)
     pid = kernels["pid"].to_numpy("float64")
     order = np.lexsort((g_start, stream, pid))
     s, e, ls = g_start[order], g_end[order], l_start[order]
     same = (np.diff(stream[order], prepend=np.nan) == 0) & (np.diff(pid[order], prepend=np.nan) == 0)
     prev_end = np.where(same, np.concatenate([[np.nan], e[:-1]]), -np.inf)
+    if window is not None:
+        w = window[order]
+        prev_end[~same | (np.diff(w, prepend=-2) != 0) | (w < 0)] = np.nan  # unknown: not a sample
     free = ~np.isnan(ls) & (prev_end <= ls)
     samples = s[free] - ls[free]
     samples = samples[samples >= 0]

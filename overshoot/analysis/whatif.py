@@ -94,7 +94,7 @@ def project(
     has_kernels = kernels is not None and kernels.any
     if timeline["gpu_end_ns"].notna().sum() == 0 and not has_kernels:
         return Projection("per-step", recorded, {w.label: _per_step(timeline, w, mode) for w in what_ifs})
-    plan = _replay_plan(timeline, spans, kernels if has_kernels else None)
+    plan = _replay_plan(timeline, spans, kernels if has_kernels else None, overlapped=mode == "async")
     same = _levels(plan, 1.0, 1.0)  # built once: the baseline and every group's mix use them
     baseline = _replay(plan, cpu_scale=1.0, gpu_scale=1.0, levels=same)
     projected, changes = {}, {} if group_of is not None and len(group_of) else None
@@ -228,9 +228,10 @@ class _Plan:
         return _pattern(self)
 
 
-def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None = None) -> _Plan:
-    """The plan of one timeline. Built in steps whose intermediate arrays die with them: at a million
-    steps each is 8 MB, and they would all live at once in one function."""
+def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKernels | None = None, *,
+                 overlapped: bool = False) -> _Plan:
+    """The plan of one timeline (`overlapped`: async scheduling). Built in steps whose intermediate arrays
+    die with them: at a million steps each is 8 MB, and they would all live at once in one function."""
     start = tl["start_ns"].to_numpy(dtype="float64")
     end = tl["end_ns"].to_numpy(dtype="float64")
     wait_union = tl["wait_ms"].to_numpy(dtype="float64") * 1e6
@@ -246,7 +247,8 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
                                      wait_first, c1, c2)
     # Busy inside the merged wait region is CPU work: it counts after the wait.
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
-    awaited, residual = _awaited(ws, we, wait_union, has_wait, g_end, has_gpu, inner_busy)
+    own_first = has_gpu & ~wait_first if overlapped else None
+    awaited, residual = _awaited(ws, we, wait_union, has_wait, g_end, has_gpu, inner_busy, own_first)
     fixed_wait = np.where(awaited >= 0, 0.0, wait_union)
     del ws, we, wait_union
     np.maximum(c2, 0.0, out=c2)
@@ -344,14 +346,26 @@ def _segments(start: np.ndarray, end: np.ndarray, ws: np.ndarray, we: np.ndarray
 
 
 def _awaited(ws: np.ndarray, we: np.ndarray, wait_union: np.ndarray, has_wait: np.ndarray, g_end: np.ndarray,
-             has_gpu: np.ndarray, inner_busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+             has_gpu: np.ndarray, inner_busy: np.ndarray,
+             own_first: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(awaited, residual): the row of the GPU work each wait awaits, the latest one (stream order) that had
-    ended by the wait end + tolerance (-1: none); and the wake-up residual after it."""
+    ended by the wait end + tolerance (-1: none); and the wake-up residual after it.
+
+    `own_first` (async scheduling: the steps that launch before they wait): a wait that did not block in
+    such a step awaits the GPU work before the step's own, as the engine does, even when the step's own
+    work had also ended by then. That happens when the CPU was slow (under kernel timing's cost, say); a
+    replay in which the step waited for its own work would turn it synchronous the moment the CPU gets
+    faster (the mixed async step's CPU what-if read about half its rerun's gain on the H200)."""
     rows_with_gpu = np.flatnonzero(has_gpu)
     ends_in_order = np.maximum.accumulate(g_end[rows_with_gpu]) if len(rows_with_gpu) else g_end[:0]
-    awaited_by = np.where(wait_union <= SHORT_WAIT_NS, ws, we) + AWAIT_TOLERANCE_NS
+    short = wait_union <= SHORT_WAIT_NS
+    awaited_by = np.where(short, ws, we) + AWAIT_TOLERANCE_NS
     k = np.searchsorted(ends_in_order, awaited_by, side="right") - 1
     del ends_in_order, awaited_by
+    if own_first is not None and len(rows_with_gpu):
+        rows = np.arange(len(k))
+        own = own_first & short & (k >= 0) & (rows_with_gpu[np.clip(k, 0, None)] == rows)
+        k = np.where(own, k - 1, k)
     awaited = np.where(
         has_wait & (k >= 0), rows_with_gpu[np.clip(k, 0, None)] if len(rows_with_gpu) else -1, -1
     ).astype("int64", copy=False)
