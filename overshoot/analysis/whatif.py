@@ -111,7 +111,11 @@ def project(
             changes[w.label] = _group_changes(plan, w, group_of, baseline, projected[w.label],
                                               levels=(changed, same))
         del changed  # a million steps' levels are ~150 MB: gone before the next what-if's are built
-    fit = float(baseline.sum() / recorded.sum() - 1.0) if recorded.sum() > 0 else None
+    # How well the replay reproduces the recording, over the steps it replays as recorded (not those it
+    # takes kernel timing's cost out of).
+    same_as_recorded = ~plan.corrected if plan.corrected is not None else np.ones(len(recorded), bool)
+    total = recorded[same_as_recorded].sum()
+    fit = float(baseline[same_as_recorded].sum() / total - 1.0) if total > 0 else None
     return Projection("replay", baseline, projected, fit, changes)
 
 
@@ -216,6 +220,7 @@ class _Plan:
     awaited: np.ndarray  # row index of the GPU work the wait awaits, -1: a wait on something else
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
+    corrected: np.ndarray | None = None  # steps replayed without kernel timing's cost on their launches
 
     @cached_property
     def chain_k1(self) -> np.ndarray:
@@ -242,9 +247,11 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     launch = _launch_point(tl, spans, kernels, kernel_step, g_start, ws, has_gpu, start, end)
     wait_first, c0, c1, c2 = _segments(start, end, ws, we, launch, has_gpu, has_wait)
     del launch
+    corrected = None
     if kernels is not None and "_collector_ns" in tl.columns:
-        kernels = _without_collector(kernels, kernel_step, tl["_collector_ns"].to_numpy("float64"),
-                                     wait_first, c1, c2)
+        cost = tl["_collector_ns"].to_numpy("float64")
+        kernels = _without_collector(kernels, kernel_step, cost, wait_first, c1, c2)
+        corrected = kernel_step & (np.nan_to_num(cost) > 0)
     # Busy inside the merged wait region is CPU work: it counts after the wait.
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
     own_first = has_gpu & ~wait_first if overlapped else None
@@ -266,7 +273,7 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     np.maximum(c0, 0, out=c0)
     np.maximum(c1, 0, out=c1)
     return _Plan(gap, c0, c1, c2, wait_first, gpu_ns, has_gpu, kernels, kernel_step, busy_est, busy_group,
-                 awaited, residual, fixed_wait)
+                 awaited, residual, fixed_wait, corrected)
 
 
 def _without_collector(kernels: StepKernels, kernel_step: np.ndarray, cost: np.ndarray,
