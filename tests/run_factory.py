@@ -146,13 +146,15 @@ def simulate_kernel_timeline(
     phase: str = "decode",
     collector_us: float = 0.0,
     instrumented: np.ndarray | None = None,
+    per_launch: int = 1,
 ) -> KernelTimeline:
     """An engine whose GPU work is `kernels` launches a step, each a host call of `launch_us` that enqueues a
     kernel of `kernel_us`; a kernel starts at max(its launch + `latency_us`, the previous kernel's end).
     Each step: busy `pre_ms`, the launches, a wait (sync: for its own batch; async: for the previous one),
     busy `post_ms`. The truth is computed here, arithmetically: per-step GPU busy and idle share.
     `collector_us`: what kernel timing adds to each launch call of the `instrumented` steps (bool per step;
-    None: every step), as CUPTI's callbacks do."""
+    None: every step), as CUPTI's callbacks do. `per_launch`: kernels a launch call enqueues (a CUDA graph's
+    launch: one call, one correlation, many kernels)."""
     t = float(start_ns)
     gpu_free = 0.0
     pending_end: float | None = None
@@ -167,14 +169,15 @@ def simulate_kernel_timeline(
         t += pre_ms * 1e6
         launch_start = t
         first = None
-        for _ in range(kernels):
-            k_start = max(t + latency_us * 1e3, gpu_free)
+        for k in range(kernels):
+            if k % per_launch == 0:  # a launch call
+                corr += 1
+                call_start = t
+                t += call_us * 1e3
+            k_start = max(call_start + latency_us * 1e3, gpu_free)
             gpu_free = k_start + kernel_us * 1e3
             first = k_start if first is None else first
-            corr += 1
-            launch_end = int(t + call_us * 1e3)
-            rows.append(("kernel", "k", 7, corr, int(t), launch_end, int(k_start), int(gpu_free)))
-            t += call_us * 1e3
+            rows.append(("kernel", "k", 7, corr, int(call_start), int(t), int(k_start), int(gpu_free)))
         spans.append((i, "busy", "launch", int(launch_start), int(t - launch_start)))
         gpu.append((i, int(first), int(gpu_free)))
         awaited = gpu_free if mode == "sync" else pending_end

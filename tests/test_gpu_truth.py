@@ -22,6 +22,8 @@ CASES = {
     # CPU and GPU close: some steps each way
     "mixed": dict(kernels=20, kernel_us=30.0, launch_us=25.0, pre_ms=0.1, post_ms=0.05),
 }
+# One CUDA graph a step: one launch call enqueues 200 kernels; its CPU work and GPU work close.
+GRAPH = dict(kernels=200, kernel_us=4.0, launch_us=20.0, per_launch=200, pre_ms=0.6, post_ms=0.2)
 
 
 def _run(tmp_path, name, **kwargs):
@@ -111,6 +113,19 @@ def test_sampled_what_ifs_match_a_rerun(tmp_path, case, mode):
     group = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER]).groups.iloc[0]
     assert group["gpu_timing"] == "sampled"
     _assert_what_ifs_match_reruns(group, unobserved, mode, CASES[case])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_graph_launch_is_one_launch_call(tmp_path, mode):
+    """200 kernels of one graph launch share its launch call: the collector's cost is per call (60 µs here,
+    recovered whole, not spread over the kernels), and the sampled what-ifs match the reruns."""
+    run, unobserved = _sampled(tmp_path, mode, mode, GRAPH, collector_us=60.0)
+    table = steps_table(run)
+    inside = table[table["gpu_timing"] == "kernels"]
+    assert (inside["kernels"] == 200).all()
+    summary = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER])
+    assert "kernel timing made each launch call 60.0 µs longer" in " ".join(summary.notes)
+    _assert_what_ifs_match_reruns(summary.groups.iloc[0], unobserved, mode, GRAPH)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
