@@ -8,6 +8,10 @@ recorder flushes untimed between batches so its buffers keep their real size):
 - span (with): one `with rec.busy(label):` block (cached context manager);
 - step, 4 spans: `step_begin(...)` with facts + schedule/prepare/launch busy spans + one wait span;
 - step incl. flushes: one long run with the defaults (flush every 256 steps or 1 s): flush cost amortized;
+- hooks: the reference engine's hook spec (engine_hooks/reference.py: six wrapped calls a step, facts of the
+  batch) around a stub engine whose calls do nothing, against the same stub unhooked: what the hook layer
+  and the recorder together cost an engine thread a step, flushes held off (a synchronous engine's flushes
+  run inside its waits);
 - on CUDA: the step plus `gpu_begin(stream)` / `gpu_end(stream)` on an explicit stream, and the raw
   `Event.record(stream)` / `Event.record()` (current stream) calls for comparison, plus the driver's own
   `cuEventRecord` through ctypes (what a record costs below torch).
@@ -110,9 +114,77 @@ def measure(args) -> list[tuple[str, Cost, str]]:
         rec.close()
         rows.append((f"step + 4 spans incl. flushes ({args.steps} steps)", long_run, "amortized"))
         rows.append(("  of which flushing, per step", long_run - per_step, ""))
+        hooks = measure_hooks(tmp, batch, repeats)
+        rows.append(("hooks: reference spec on a stub engine, a step", hooks, ""))
         if args.cuda:
             rows += measure_cuda(tmp, batch, repeats, base)
     return rows
+
+
+class _Batch:
+    num_seqs = num_tokens = 4
+    phase = "decode"
+    spec_tokens = 0
+
+
+class StubEngine:
+    """The reference engine's step, calls and return values, doing nothing else."""
+
+    stream = None  # no CUDA events: the gpu role finds no stream
+
+    def step(self):
+        batch = self.schedule()
+        inputs = self.prepare_inputs(batch)
+        future = self.launch(batch, inputs)
+        tokens = self.wait_for_results(future)
+        self.update_requests(future, tokens)
+
+    def schedule(self):
+        return _Batch
+
+    def prepare_inputs(self, batch):
+        return None
+
+    def launch(self, batch, inputs):
+        return None
+
+    def wait_for_results(self, future):
+        return None
+
+    def update_requests(self, future, tokens):
+        return None
+
+    def wait_for_work(self):
+        return None
+
+
+def measure_hooks(tmp: Path, batch: int, repeats: int) -> Cost:
+    """StubEngine.step hooked by the reference spec minus unhooked, timed in alternating runs."""
+    import types
+    from dataclasses import replace
+
+    from engine_hooks import patcher
+    from engine_hooks.reference import SPEC
+
+    module = types.ModuleType("overshoot_stub_engine")
+    module.Engine = StubEngine
+    sys.modules[module.__name__] = module
+    spec = replace(SPEC, targets=tuple(replace(t, module=module.__name__) for t in SPEC.targets))
+    rec = Recorder(tmp / "hooks", engine="bench", gpu_timing="off", flush_steps=batch * (repeats + 1),
+                   flush_seconds=3600)
+    engine = StubEngine()
+    plain, hooked = [], []
+    try:
+        for _ in range(repeats):  # alternating, so the machine's drift falls on both alike
+            plain.append(ns_per_iter("step()", {"step": engine.step}, batch, 1).median)
+            patcher.install(spec, recorder_factory=lambda _engine, _info: rec)
+            hooked.append(ns_per_iter("step()", {"step": engine.step}, batch, 1).median)
+            patcher.reset()
+    finally:
+        patcher.reset()
+        rec.close()
+        del sys.modules[module.__name__]
+    return Cost(statistics.median(hooked), min(hooked)) - Cost(statistics.median(plain), min(plain))
 
 
 def measure_cuda(tmp: Path, batch: int, repeats: int, base: Cost) -> list[tuple[str, Cost, str]]:
