@@ -305,7 +305,8 @@ def collector_cost(group: np.ndarray, busy_ns: np.ndarray, measured: np.ndarray,
     """Per row: what kernel timing added to each launch call of its group's instrumented steps (ns), from
     the group's median CPU busy inside windows and outside them, over its median launch calls a step
     (NaN: the group lacks MIN_STEPS_FOR_COST of either, as in kernels mode where every step is
-    instrumented). CUPTI's work runs inside the launch calls; nothing else differs between the two."""
+    instrumented). CUPTI's callbacks run inside the launch calls, so the whole difference is put there;
+    whatever else slows an instrumented step (the drain thread taking the GIL) is counted with it."""
     inside = group_stat(group, np.where(measured, busy_ns, np.nan), "median")
     outside = group_stat(group, np.where(plain, busy_ns, np.nan), "median")
     enough = (group_stat(group, np.where(measured, 1.0, np.nan), "count") >= MIN_STEPS_FOR_COST) & (
