@@ -1,10 +1,11 @@
 """Analyzer speed at scale: 1,000,000 steps written in the spool format, then load + summarise.
 
-    python benchmarks/analyze_scale.py [--steps 1000000] [--keep DIR]
+    python benchmarks/analyze_scale.py [--steps 1000000] [--keep DIR] [--sampled]
 
 Writes a run dir the way the Recorder does (Arrow IPC stream chunks of 256 steps: steps, 3 spans per step,
 GPU intervals), then measures in a fresh child process (so the peak RSS is the analyzer's, not the
-generator's): load_run, summarize (no what-if), and the two default what-if replays.
+generator's): load_run, summarize (no what-if), and the two default what-if replays. --sampled adds what
+`--gpu-timing sampled` records: every kernel of 8 steps in 256 (3%, 20 launches a step) and the windows.
 Goals: load + summarise <= 2 s and <= 1 GB peak RSS (issue 2); with the report's two what-ifs <= 1.5 s and
 <= 1 GB (issue 22). Prints measured numbers and goal ratios.
 """
@@ -32,7 +33,10 @@ GOAL_S, GOAL_MB = 2.0, 1024.0
 REPORT_GOAL_S = 1.5  # issue 22: overshoot report with its two default what-ifs
 
 
-def write_synthetic_run(path: Path, n: int, seed: int = 0) -> None:
+WINDOW, EVERY, KERNELS = 8, 256, 20  # --sampled: steps a window, steps between window starts, launches a step
+
+
+def write_synthetic_run(path: Path, n: int, seed: int = 0, *, sampled: bool = False) -> None:
     """An async-like engine timeline: CPU busy ~1 ms ± 30 %, GPU ~1.1 ms, 4 batch sizes, vectorised."""
     rng = np.random.default_rng(seed)
     busy = (1e6 * rng.uniform(0.7, 1.3, n)).astype("int64")
@@ -86,9 +90,32 @@ def write_synthetic_run(path: Path, n: int, seed: int = 0) -> None:
                 [step[lo:hi], gpu_start[lo:hi], gpu_end[lo:hi]], schema=BASE_SCHEMAS["gpu"]
             ),
         )
+    if sampled:
+        write_sampled_kernels(writer, start, end, launch, gpu_start, gpu_end)
     writer.close()
     (spool / "1000-engine.json").write_text(json.dumps({"pid": 1000, "thread": "engine", "engine": "scale"}))
     (path / "meta.json").write_text(json.dumps({"engine": "scale"}))
+
+
+def write_sampled_kernels(writer: SpoolWriter, start, end, launch, gpu_start, gpu_end) -> None:
+    """Kernel records of the window steps: KERNELS launch calls of 4 µs, 5 µs apart, from the step's launch;
+    their kernels split its GPU interval evenly, back to back."""
+    steps = np.flatnonzero(np.arange(len(start)) % EVERY < WINDOW)
+    j = np.tile(np.arange(KERNELS), len(steps))
+    s = np.repeat(steps, KERNELS)
+    width = (gpu_end[s] - gpu_start[s]) // KERNELS
+    launch_start = launch[s] + 5_000 * j
+    k_start = gpu_start[s] + width * j
+    table = pa.RecordBatch.from_arrays(
+        [pa.array(["kernel"] * len(s)), pa.array(["k"] * len(s)), np.full(len(s), 7, "int64"),
+         np.arange(len(s), dtype="int64"), launch_start, launch_start + 4_000, k_start, k_start + width],
+        schema=BASE_SCHEMAS["kernels"])
+    for lo in range(0, len(s), CHUNK * KERNELS):
+        writer.write("kernels", table.slice(lo, CHUNK * KERNELS))
+    first = steps[steps % EVERY == 0]
+    last = np.minimum(first + WINDOW - 1, len(start) - 1)
+    writer.write("kernel_windows", pa.RecordBatch.from_arrays([start[first], end[last]],
+                                                               schema=BASE_SCHEMAS["kernel_windows"]))
 
 
 def measure(path: Path) -> dict:
@@ -120,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--keep", type=Path, help="write (or reuse) the run dir here instead of a temp dir")
+    parser.add_argument("--sampled", action="store_true", help="with kernel records of 3%% of the steps")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # child process mode
     args = parser.parse_args()
     if args.measure:
@@ -129,7 +157,7 @@ def main() -> None:
         path = args.keep or Path(tmp) / "scale"
         if not (path / "meta.json").exists():
             t = time.perf_counter()
-            write_synthetic_run(path, args.steps)
+            write_synthetic_run(path, args.steps, sampled=args.sampled)
             print(f"wrote {args.steps:,} steps to a run dir in {time.perf_counter() - t:.1f} s")
         child = subprocess.run(
             [sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True

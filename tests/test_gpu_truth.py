@@ -123,6 +123,7 @@ def test_a_graph_launch_is_one_launch_call(tmp_path, mode):
     table = steps_table(run)
     inside = table[table["gpu_timing"] == "kernels"]
     assert (inside["kernels"] == 200).all()
+    assert np.allclose(inside["launch_ms"], (20.0 + 60.0) / 1e3)  # one call a step, counted once
     summary = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER])
     assert "kernel timing made each launch call 60.0 µs longer" in " ".join(summary.notes)
     _assert_what_ifs_match_reruns(summary.groups.iloc[0], unobserved, mode, GRAPH)

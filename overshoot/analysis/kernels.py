@@ -147,13 +147,14 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     out.busy_ns[steps_with] = np.add.reduceat(covered, heads)
     out.first_ns[steps_with] = np.minimum.reduceat(s, heads)
     out.last_ns[steps_with] = np.maximum.reduceat(e, heads)
-    # Launch time: each launch call once (kernels of one graph launch share its correlation).
-    launch = pd.DataFrame({"row": r, "pid": kernels["pid"].to_numpy()[order],
-                           "corr": kernels["correlation"].to_numpy("float64", na_value=-1.0)[order],
-                           "dur": l_end[order] - k})
-    unique = launch[(launch["corr"] < 0) | ~launch.duplicated(["pid", "corr"])]
-    per_step = unique.groupby("row")["dur"].sum(min_count=1)
-    out.launch_ns[per_step.index.to_numpy()] = per_step.to_numpy()
+    # Launch calls: a graph's kernels share their call (and its launch time), adjacent in chain order.
+    new_call = np.ones(len(r), bool)
+    new_call[1:] = (r[1:] != r[:-1]) | (k[1:] != k[:-1])
+    # Launch time: each launch call once (NaN where no call of the step has a known end).
+    call_ns = np.where(new_call, l_end[order] - k, np.nan)
+    known = ~np.isnan(call_ns)
+    out.launch_ns[steps_with] = np.where(np.add.reduceat(known, heads) > 0,
+                                         np.add.reduceat(np.where(known, call_ns, 0.0), heads), np.nan)
     out.first_launch_ns[steps_with] = k[heads]
     # Idle before: the step's first start minus the end of every kernel that started before it.
     all_order = np.argsort(g_start, kind="stable")
@@ -171,8 +172,6 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     before = np.cumsum(d) - d - np.repeat(np.cumsum(d)[heads] - d[heads], counts)
     out.chain_step = r.astype("int64")
     out.chain_offset = k - np.repeat(k[heads], counts)
-    new_call = np.ones(len(r), bool)  # a graph's kernels share their launch call (and its time)
-    new_call[1:] = (r[1:] != r[:-1]) | (k[1:] != k[:-1])
     calls = np.cumsum(new_call) - 1
     out.chain_launch = (calls - np.repeat(calls[heads], counts)).astype("float64")
     out.launches[steps_with] = np.add.reduceat(new_call, heads)
