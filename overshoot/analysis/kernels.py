@@ -285,13 +285,14 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     out["cpu_bound"] = verdict
     out["thread_never_waited"] = out["wait_ms"].to_numpy() <= cpu_bound_ms
     out["_gpu_busy_est_ms"] = busy_est
-    out["_busy_group"] = group
-    plain = np.zeros(n, bool)
-    plain[rows] = ~sk.instrumented
-    launches = nan.copy()
-    launches[rows] = sk.launches
-    busy = out["busy_ms"].to_numpy(dtype="float64") * 1e6
-    out["_collector_ns"] = collector_cost(group, busy, measured, plain, launches) if measured.any() else nan
+    if measured.any():  # (without kernel records these would be a million-long -1s and NaNs: 16 MB each)
+        out["_busy_group"] = group
+        plain = np.zeros(n, bool)
+        plain[rows] = ~sk.instrumented
+        launches = nan.copy()
+        launches[rows] = sk.launches
+        busy = out["busy_ms"].to_numpy(dtype="float64") * 1e6
+        out["_collector_ns"] = collector_cost(group, busy, measured, plain, launches)
     return sk
 
 

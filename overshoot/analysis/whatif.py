@@ -216,7 +216,7 @@ class _Plan:
     kernels: StepKernels | None  # kernel chains of instrumented steps
     kernel_step: np.ndarray  # the step's GPU work is replayed kernel by kernel
     busy_est: np.ndarray  # plain step of a group with kernel data: the group's GPU busy (ns), else NaN
-    busy_group: np.ndarray  # the step's group (kernels.busy_groups) where busy_est is known anywhere, else -1
+    busy_group: np.ndarray | None  # the step's group (kernels.busy_groups); None without kernel records
     awaited: np.ndarray  # row index of the GPU work the wait awaits, -1: a wait on something else
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
@@ -265,8 +265,8 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
     del g_start, g_end
     busy_est = np.full(len(tl), np.nan)
-    busy_group = np.full(len(tl), -1, "int64")
-    if kernels is not None and "_gpu_busy_est_ms" in tl.columns:
+    busy_group = None
+    if kernels is not None and "_busy_group" in tl.columns:
         busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
                             np.nan)
         busy_group = tl["_busy_group"].to_numpy("int64")
@@ -394,7 +394,8 @@ def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarra
         d = np.where(estimate, busy, d)
         # The plain step's interval changes as its group's instrumented steps' K does (launch-bound: with the
         # CPU; GPU-bound: with the kernels); a group without one: as if its launches bounded it.
-        ratio = _group_ratio(p, chain_k) if chain_k is not None else np.full(len(d), np.nan)
+        ratio = _group_ratio(p, chain_k) if chain_k is not None and p.busy_group is not None else np.full(
+            len(d), np.nan)
         k_est = np.where(np.isnan(ratio), p.gpu_ns * cpu_scale, p.gpu_ns * ratio)
         k = np.where(estimate, np.maximum(busy, k_est), k)
     if chain_k is not None:
