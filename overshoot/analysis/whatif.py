@@ -29,7 +29,7 @@ import pandas as pd
 
 from overshoot.analysis import maxplus
 from overshoot.analysis.frames import contains, per_step, positions, run_starts
-from overshoot.analysis.kernels import StepKernels
+from overshoot.analysis.kernels import StepKernels, on_rows, per_group
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
 # a wait no longer than SHORT_WAIT_NS (the thread did not really block) awaits work ended by its start + this.
@@ -249,9 +249,8 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     del launch
     corrected = None
     if kernels is not None and "_collector_ns" in tl.columns:
-        cost = tl["_collector_ns"].to_numpy("float64")
-        kernels = _without_collector(kernels, kernel_step, cost, wait_first, c1, c2)
-        corrected = kernel_step & (np.nan_to_num(cost) > 0)
+        kernels, corrected = _without_collector(kernels, kernel_step, tl["_collector_ns"].to_numpy("float64"),
+                                                wait_first, c1, c2)
     # Busy inside the merged wait region is CPU work: it counts after the wait.
     inner_busy = np.maximum((we - ws) - wait_union, 0.0)
     own_first = has_gpu & ~wait_first if overlapped else None
@@ -277,19 +276,21 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
 
 
 def _without_collector(kernels: StepKernels, kernel_step: np.ndarray, cost: np.ndarray,
-                       wait_first: np.ndarray, c1: np.ndarray, c2: np.ndarray) -> StepKernels:
+                       wait_first: np.ndarray, c1: np.ndarray,
+                       c2: np.ndarray) -> tuple[StepKernels, np.ndarray]:
     """Instrumented steps as the engine runs them unobserved: each launch call of the step (counted from
     its first launch, the launch point) was `cost` ns longer under kernel timing, so the busy segment that
     holds the launches (c1, or c2 when the step waits first) and each kernel's launch offset shrink by
-    what the calls before it added. c1 and c2 change in place."""
+    what the calls before it added. c1 and c2 change in place. Returns the kernels and the steps changed."""
     cost = np.where(kernel_step, np.nan_to_num(cost), 0.0)
-    if not cost.any():
-        return kernels
+    corrected = cost > 0
+    if not corrected.any():
+        return kernels, corrected
     extra = cost * np.nan_to_num(kernels.launches)
     c1 -= np.where(wait_first, 0.0, extra)
     c2 -= np.where(wait_first, extra, 0.0)
     offset = np.maximum(kernels.chain_offset - cost[kernels.chain_step] * kernels.chain_launch, 0.0)
-    return replace(kernels, chain_offset=offset)
+    return replace(kernels, chain_offset=offset), corrected
 
 
 def _wait_region(tl: pd.DataFrame, spans: pd.DataFrame | None, end: np.ndarray,
@@ -408,14 +409,11 @@ def _group_ratio(p: _Plan, chain_k: np.ndarray) -> np.ndarray:
     """Per step: the median, over the instrumented steps of its group, of K at the what-if's scales over K
     as recorded (NaN: its group has none)."""
     k1 = p.chain_k1
-    rows = np.flatnonzero(p.kernel_step & (p.busy_group >= 0) & (k1 > 0) & ~np.isnan(chain_k))
-    out = np.full(len(k1), np.nan)
-    if len(rows) == 0:
-        return out
-    medians = pd.Series(chain_k[rows] / k1[rows]).groupby(p.busy_group[rows]).median()
-    known = p.busy_group >= 0
-    out[known] = medians.reindex(p.busy_group[known]).to_numpy("float64")
-    return out
+    rows = p.kernel_step & (k1 > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = chain_k / k1
+    medians, _ = per_group(p.busy_group, ratio, rows, int(p.busy_group.max(initial=-1)) + 1)
+    return on_rows(p.busy_group, medians)
 
 
 def _scaled(values: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
