@@ -65,14 +65,22 @@ def cycles_per_us() -> float:
 
 
 def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, gap_us: float, pre_us: float,
-                post_us: float, cycles: float, profiler=None) -> None:
-    """The synthetic engine. `rec` may be None (plain); `profiler` steps once per step when given."""
+                post_us: float, cycles: float, profiler=None, lead_s: float = 0.0) -> None:
+    """The synthetic engine. `rec` may be None (plain); `profiler` steps once per step when given. With
+    `lead_s`, the loop first runs unobserved-by-kernels steps until the recorder's kernel timing is set up
+    (at most `lead_s` seconds), then `steps` more: the steps before its first window are its plain
+    reference (what the collector costs each launch), as in a served engine's first fraction of a second."""
     import torch
 
     stream = torch.cuda.current_stream()
     sleep_cycles = int(kernel_us * cycles)
     pending = None
-    for _ in range(steps):
+    lead_until = time.perf_counter() + lead_s if rec and lead_s else 0.0
+    done_steps = 0
+    while done_steps < steps:
+        if lead_until and (rec.kernel_timing_state() == "ready" or time.perf_counter() > lead_until):
+            lead_until = 0.0
+        done_steps += not lead_until
         if rec:
             rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
             rec.busy_begin("schedule")
@@ -111,11 +119,12 @@ def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, g
 
 
 def run_case(rec, case: str, mode: str, steps: int, cycles: float, *, gpu: float = 1.0,
-             cpu: float = 1.0) -> None:
+             cpu: float = 1.0, lead_s: float = 0.0) -> None:
     """`steps` steps of a case's loop, its kernels scaled by `gpu` and its CPU spins by `cpu`."""
     p = CASES[case]
     engine_loop(rec, mode=mode, steps=steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * gpu,
-                gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu, cycles=cycles)
+                gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu, cycles=cycles,
+                lead_s=lead_s)
 
 
 def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> dict:
@@ -128,7 +137,7 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> d
     p = CASES[case]
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-truth-{case}-{mode}-"))
     rec = Recorder(run_dir, engine=f"synthetic-{mode}", gpu_timing=gpu_timing, cuda=True)
-    run_case(rec, case, mode, args.steps, cycles)
+    run_case(rec, case, mode, args.steps, cycles, lead_s=10.0)
     rec.close()
     run = load_run(run_dir)
     # The rerun shortens the spins by 10%, not the launch calls: the CPU what-if that matches it shortens the

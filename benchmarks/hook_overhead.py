@@ -116,6 +116,12 @@ class HookedMode:
                 # The recorder opens at the first hooked call (run directory, spool files, CUPTI): once a
                 # process, so a short generation opens it before the first timed round.
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+                # Kernel timing sets its collector up on its drain thread (CUPTI: 50-240 ms) and records
+                # from the step after: short generations until then, so the timed rounds are all recorded.
+                ready_by = time.perf_counter() + 10.0
+                while (self.recorder is not None and self.recorder.kernel_timing_state() == "setting up"
+                       and time.perf_counter() < ready_by):
+                    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
             else:
                 self.recorder.resume()
             if before is not None:

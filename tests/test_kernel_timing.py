@@ -252,6 +252,49 @@ def test_sampled_mode_sets_the_collector_up_on_the_drain_thread_and_opens_window
     assert run.kernel_windows["start_ns"].min() >= collector.prepared_at
 
 
+class CostlyPreparedOffThread(PreparedOffThread):
+    """... whose launch calls take COST_NS longer while it records, as CUPTI's callbacks make them."""
+
+    COST_NS = 10_000
+
+    def launch(self, gpu_free: int, kernel_ns: int = KERNEL_NS) -> int:
+        if self.on:
+            spin(self.COST_NS)
+        return super().launch(gpu_free, kernel_ns)
+
+
+def test_kernels_mode_sets_up_off_thread_and_measures_its_cost_from_the_steps_before(tmp_path):
+    """Kernels mode too sets its collector up on the drain thread: the engine never stalls for it, every
+    step once it is ready is recorded, and the steps before are the plain reference from which the analyzer
+    recovers what the collector added to each launch call."""
+    collector = CostlyPreparedOffThread()
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="kernels")
+    assert rec.kernel_timing_state() == "off"
+    sampler = rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=0.05)
+    assert rec.kernel_timing_state() == "setting up"
+    gpu_free, longest, start, ready_at = 0, 0, perf_counter_ns(), None
+    while perf_counter_ns() - start < 400_000_000:
+        t = perf_counter_ns()
+        if ready_at is None and rec.kernel_timing_state() == "ready":
+            ready_at = t
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        with rec.busy("launch"):
+            for _ in range(KERNELS):
+                gpu_free = collector.launch(gpu_free)
+        longest = max(longest, perf_counter_ns() - t)
+    rec.close()
+    run = load_run(tmp_path / "r")
+    assert collector.thread == "overshoot-kernels" and longest < 50_000_000
+    assert ready_at is not None and sampler.windows == 1
+    steps = summarize(run, warmup_steps=5).steps
+    window_start = int(run.kernel_windows["start_ns"].min())
+    assert window_start >= collector.prepared_at
+    inside = steps["start_ns"] >= window_start
+    assert 5 <= (~inside).sum() and (steps.loc[inside, "kernels"] == KERNELS).all()
+    cost = float(np.nanmedian(steps["_collector_ns"]))
+    assert abs(cost - CostlyPreparedOffThread.COST_NS) < 4_000, cost
+
+
 def test_a_long_step_of_another_kind_after_a_window_is_no_cost_of_it(tmp_path, monkeypatch):
     """Steps inside and after a window are set against plain steps of their own phase and batch size: a
     prefill (25 decode steps long) that follows a window is not the window's cost, so a collector that costs

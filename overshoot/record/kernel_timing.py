@@ -12,8 +12,10 @@ Modes: "kernels" records every step (one window for the whole run). "sampled" re
 time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
 that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
-every group of a load sweep gets kernel data. In sampled mode the collector's once-a-process set-up
-(`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it.
+every group of a load sweep gets kernel data. In both modes the collector's once-a-process set-up
+(`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the engine
+thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets the
+instrumented steps against to measure the collector's own cost per launch call.
 
 A window closes at a step boundary, but the collector is switched off only once the GPU has finished the
 work launched inside it (`fence`: the CUDA end event of the latest step, queried without waiting; at most
@@ -59,8 +61,8 @@ class Collector(Protocol):
     def disable(self) -> None: ...  # engine thread, at a step boundary
     def collect(self, *, final: bool = False) -> dict | None: ...  # kernels-table columns, host clock
     def close(self) -> None: ...
-    # Optional, `prepare(self) -> None`: the collector's once-a-process set-up, which sampled mode runs on
-    # the drain thread before its first window (the first window waits for it; the engine thread does not).
+    # Optional, `prepare(self) -> None`: the collector's once-a-process set-up, run on the drain thread
+    # before the first window (the first window waits for it; the engine thread does not).
 
 
 def cupti_collector() -> Collector:
@@ -134,10 +136,10 @@ class KernelSampler:
         # steps counted in `_after`. A window's cost is at least what the windows before cost it (median).
         self._drain_cpu_by_window: dict[int, int] = {}
         self._seen: set[tuple] = set()
-        # Sampled mode sets the collector up on the drain thread; its windows open once that is done.
+        # The collector is set up on the drain thread; windows open once that is done.
         self._prepared = threading.Event()
         self.prepare_ns = 0
-        if mode != "sampled" or not hasattr(collector, "prepare"):
+        if not hasattr(collector, "prepare"):
             self._prepared.set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -193,6 +195,10 @@ class KernelSampler:
             if same is None:
                 same = self._plain_of[key] = deque(maxlen=self.window_steps)
             same.append(duration)
+
+    def ready(self) -> bool:
+        """The collector is set up: a window can open at the next step boundary."""
+        return self._prepared.is_set() and not self._stop.is_set()
 
     def pause(self) -> None:
         """Collector off while the host runs work it does not record (no steps: the unhooked rounds of

@@ -601,6 +601,14 @@ class Recorder:
         except KernelTimingError as e:
             self._io.note_error(f"kernel timing off: {e}")
 
+    def kernel_timing_state(self) -> str:
+        """"off" (no kernel timing: not asked for, no CUDA yet, or it could not start), "setting up" (its
+        collector is being set up on the drain thread, 50-240 ms for CUPTI; no window opens until then) or
+        "ready" (windows open at step boundaries)."""
+        if self._sampler is None:
+            return "off"
+        return "ready" if self._sampler.ready() else "setting up"
+
     def _gpu_fence(self):
         """`query` of the end event of the latest step with GPU work (True once the GPU has passed it), for
         the kernel sampler: it switches its collector off only after a window's work. None without events."""
