@@ -163,7 +163,7 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> d
         "whatif_cpu_pct": float(g[f"whatif:{what_ifs[1].label}"]),
         "cpu_whatif_share": cpu_share,
         "kernel_steps": int(g["kernel_steps"]),
-        # what kernel timing added to each launch call, as the run measured it (sampled runs only)
+        # what kernel timing added to each launch call, as the run measured it (None: no plain steps)
         "collector_us": _collector_us(steps),
         "steps": int(g["steps"]),
         # truth from the settings, per step of this run: the set kernel time over its own step time
@@ -281,11 +281,11 @@ def synthetic(args) -> list[dict]:
 def print_synthetic(rows: list[dict]) -> None:
     print("\nGPU busy ms (overshoot | torch.profiler), GPU idle % (kernels | sampled | set | profiler busy "
           "over plain steps), CPU-bound % (overshoot | set), what-if % (projected from the kernels run | "
-          "rerun, medians; and projected from the sampled run, with the µs it measured kernel timing to add "
-          "to each launch call)")
+          "rerun, medians; and projected from the sampled run), the µs each run measured kernel timing to "
+          "add to each launch call, and each run's instrumented steps (kernels | sampled)")
     head = (f"{'case':13} {'mode':5} {'step ms':>7} {'busy':>6} {'prof':>6} {'idle k':>6} {'idle s':>6} "
             f"{'set':>5} {'prof':>5} {'bound':>5} {'set':>5} {'gpu-10 proj/rerun':>17} "
-            f"{'cpu proj/rerun':>15} {'sampled gpu/cpu':>15} {'µs/launch':>9}")
+            f"{'cpu proj/rerun':>15} {'sampled gpu/cpu':>15} {'µs/launch k|s':>13} {'steps k|s':>9}")
     print(head)
     for r in rows:
         b, s, prof = r["base"], r["sampled"], r["profiler"]
@@ -295,7 +295,12 @@ def print_synthetic(rows: list[dict]) -> None:
               f"{b['cpu_bound_pct']:5.0f} {b['set_cpu_bound_pct']:5.0f} "
               f"{b['whatif_gpu_pct']:+8.1f}/{r['rerun_gpu_pct']:+7.1f} {b['whatif_cpu_pct']:+7.1f}/"
               f"{r['rerun_cpu_pct']:+6.1f} {s['whatif_gpu_pct']:+7.1f}/{s['whatif_cpu_pct']:+6.1f} "
-              f"{'-' if s['collector_us'] is None else format(s['collector_us'], '.2f'):>9}")
+              f"{_us(b['collector_us']):>6}|{_us(s['collector_us']):<6} "
+              f"{b['kernel_steps']:>4}|{s['kernel_steps']:<4}")
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else format(value, ".2f")
 
 
 def engine_truth(flags: list[str], *, preset: str, batch: int, tokens: int, prompt_len: int,
