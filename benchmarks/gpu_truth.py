@@ -65,22 +65,24 @@ def cycles_per_us() -> float:
 
 
 def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, gap_us: float, pre_us: float,
-                post_us: float, cycles: float, profiler=None, lead_s: float = 0.0) -> None:
+                post_us: float, cycles: float, profiler=None, lead_s: float = 0.0) -> int:
     """The synthetic engine. `rec` may be None (plain); `profiler` steps once per step when given. With
     `lead_s`, the loop first runs unobserved-by-kernels steps until the recorder's kernel timing is set up
     (at most `lead_s` seconds), then `steps` more: the steps before its first window are its plain
-    reference (what the collector costs each launch), as in a served engine's first fraction of a second."""
+    reference (what the collector costs each launch), as in a served engine's first fraction of a second.
+    Returns how many steps ran before it was ready."""
     import torch
 
     stream = torch.cuda.current_stream()
     sleep_cycles = int(kernel_us * cycles)
     pending = None
     lead_until = time.perf_counter() + lead_s if rec and lead_s else 0.0
-    done_steps = 0
+    done_steps = lead_steps = 0
     while done_steps < steps:
         if lead_until and (rec.kernel_timing_state() == "ready" or time.perf_counter() > lead_until):
             lead_until = 0.0
         done_steps += not lead_until
+        lead_steps += bool(lead_until)
         if rec:
             rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
             rec.busy_begin("schedule")
@@ -116,13 +118,14 @@ def engine_loop(rec, *, mode: str, steps: int, kernels: int, kernel_us: float, g
         pending.synchronize()
     if rec:
         rec.step_end()
+    return lead_steps
 
 
 def run_case(rec, case: str, mode: str, steps: int, cycles: float, *, gpu: float = 1.0,
-             cpu: float = 1.0, lead_s: float = 0.0) -> None:
+             cpu: float = 1.0, lead_s: float = 0.0) -> int:
     """`steps` steps of a case's loop, its kernels scaled by `gpu` and its CPU spins by `cpu`."""
     p = CASES[case]
-    engine_loop(rec, mode=mode, steps=steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * gpu,
+    return engine_loop(rec, mode=mode, steps=steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * gpu,
                 gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu, cycles=cycles,
                 lead_s=lead_s)
 
@@ -137,16 +140,20 @@ def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> d
     p = CASES[case]
     run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-truth-{case}-{mode}-"))
     rec = Recorder(run_dir, engine=f"synthetic-{mode}", gpu_timing=gpu_timing, cuda=True)
-    run_case(rec, case, mode, args.steps, cycles, lead_s=10.0)
+    lead = run_case(rec, case, mode, args.steps, cycles, lead_s=10.0)
     rec.close()
     run = load_run(run_dir)
+    # Sampled mode opens its first window as soon as the collector is ready, and spaces the next by its
+    # budget (often past this run's end): its warm-up stops there, so that the window's steps count. Kernels
+    # mode keeps the 20: the steps after them and before its window are its plain reference.
+    warmup = 20 if gpu_timing == "kernels" else min(20, lead)
     # The rerun shortens the spins by 10%, not the launch calls: the CPU what-if that matches it shortens the
     # CPU work by 10% x (spin / CPU busy) of this run.
-    busy_ms = float(summarize(run, warmup_steps=20, mode=mode).groups.iloc[0]["busy_ms_median"])
+    busy_ms = float(summarize(run, warmup_steps=warmup, mode=mode).groups.iloc[0]["busy_ms_median"])
     spin_ms = (p["pre_us"] + p["kernels"] * p["gap_us"] + p["post_us"]) / 1e3
     cpu_share = min(spin_ms / busy_ms, 1.0)
     what_ifs = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10 * cpu_share)]
-    summary = summarize(run, warmup_steps=20, mode=mode, what_ifs=what_ifs)
+    summary = summarize(run, warmup_steps=warmup, mode=mode, what_ifs=what_ifs)
     g = summary.groups.iloc[0]
     steps = summary.steps
     return {
