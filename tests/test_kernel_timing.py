@@ -11,6 +11,7 @@ import time
 from time import perf_counter_ns
 
 import numpy as np
+import pytest
 from synthetic_engine import spin
 
 from overshoot import Recorder
@@ -65,7 +66,9 @@ class VirtualCollector:
 
 
 def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = None, budget: float = 1.0,
-         collector: VirtualCollector | None = None):
+         collector: VirtualCollector | None = None, facts_later: bool = False):
+    """`facts_later`: each step begins without facts and gets them inside (as the engine hooks do: the
+    step's batch is known once `schedule` returns)."""
     rec = Recorder(tmp_path / mode, engine="virtual", gpu_timing=mode)
     collector = collector or VirtualCollector()
     rec._sampler = KernelSampler(rec, collector, mode=mode, window_steps=8, min_gap=32, budget=budget,
@@ -73,7 +76,11 @@ def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = No
     gpu_free = 0
     for i in range(steps):
         batch = 2 if switch_batch_at is not None and i >= switch_batch_at else 1
-        rec.step_begin(batch_size=batch, num_tokens=batch, phase="decode")
+        if facts_later:
+            rec.step_begin()
+            rec.step_facts(batch_size=batch, num_tokens=batch, phase="decode")
+        else:
+            rec.step_begin(batch_size=batch, num_tokens=batch, phase="decode")
         with rec.busy("launch"):
             for _ in range(KERNELS):
                 gpu_free = collector.launch(gpu_free)
@@ -91,6 +98,26 @@ def test_kernels_mode_records_every_step(tmp_path):
     assert np.allclose(table["launch_ms"], KERNELS * LAUNCH_NS / 1e6)
     # launch-bound: 4 kernels of 20 us in ~120 us of launching
     assert summarize(run).groups.iloc[0]["cpu_bound_pct"] > 95
+
+
+class SlowSwitch(VirtualCollector):
+    """Switching on costs 2 ms: at a 5% budget, windows ~300 steps of ~0.12 ms apart."""
+
+    def enable(self) -> None:
+        spin(2_000_000)
+        super().enable()
+
+
+@pytest.mark.parametrize("facts_later", [False, True], ids=["facts-at-begin", "facts-inside-the-step"])
+def test_a_new_group_gets_a_window_the_spacing_would_not_give(tmp_path, facts_later):
+    """The batch-2 group appears at step 150, its window comes at once; the budget's spacing alone would
+    give the next one ~300 steps after the first. Also when each step learns its facts only inside it."""
+    collector, run = _run(tmp_path, "sampled", steps=200, switch_batch_at=150, budget=0.05,
+                          collector=SlowSwitch(), facts_later=facts_later)
+    windows = run.kernel_windows.sort_values("start_ns")
+    assert len(windows) == 2, windows
+    table = steps_table(run)
+    assert table.loc[table["gpu_timing"] == "kernels", "batch_size"].tolist() == [1] * 8 + [2] * 8
 
 
 def test_sampled_mode_opens_windows_and_a_new_group_gets_one(tmp_path):

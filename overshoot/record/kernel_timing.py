@@ -152,9 +152,17 @@ class KernelSampler:
 
     # ---- engine thread ----
 
-    def at_step(self, t: int, batch_size: int | None, phase: str | None) -> int:
-        """Called by step_begin at `t`; returns the time the step starts (after any switch)."""
+    def at_step(self, t: int, batch_size: int | None, phase: str | None, *,
+                ended: tuple | None = None) -> int:
+        """Called by step_begin at `t` with the starting step's facts, if known yet, and the (phase, batch
+        size) of the step that ends at `t` as it ended (`ended`: hooked engines give a step its facts inside
+        it, once scheduled); returns the time the step starts (after any switch)."""
         key, self._key = self._key, (phase, batch_size)  # the step that ends at `t`, the one that starts
+        if ended is not None:
+            key = ended
+        # The starting step's group, for the rule that opens a window for a group not seen yet: with its
+        # facts still unknown, the step before's (a served engine's groups change seldom from step to step).
+        coming = (phase, batch_size) if phase is not None or batch_size is not None else key
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
             if self._last_t:  # a step still under the collector is neither plain nor inside a window
                 self._after.append((t - self._last_t, key))
@@ -168,15 +176,14 @@ class KernelSampler:
         self._last_t = t
         if self._on:
             self._steps_in_window += 1
-            self._seen.add((phase, batch_size))
+            self._seen.add(key)  # the step that ran inside the window
             if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
                 return t
             return self._close_window(t)
         self._steps_since += 1
         due = self._steps_since >= self._gap or (
-            self._steps_since >= self.min_gap and (phase, batch_size) not in self._seen)
+            self._steps_since >= self.min_gap and coming not in self._seen)
         if (self.windows == 0 or due) and self._prepared.is_set():
-            self._seen.add((phase, batch_size))
             self._steps_in_window = 1
             return self._open_window(t)
         return t

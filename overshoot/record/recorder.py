@@ -213,7 +213,7 @@ class Recorder:
         step = self._step = self._next_step
         self._next_step = step + 1
         if self._sampler is not None:  # kernel timing windows open and close at step boundaries
-            t = self._sampler.at_step(t, batch_size, phase)
+            t = self._sampler.at_step(t, batch_size, phase, ended=(self._phase, self._batch))
         self._step_start = t
         self._step_wait = 0
         self._batch, self._tokens, self._phase = batch_size, num_tokens, phase
