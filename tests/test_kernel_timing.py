@@ -310,6 +310,7 @@ def test_kernels_mode_sets_up_off_thread_and_measures_its_cost_from_the_steps_be
                 gpu_free = collector.launch(gpu_free)
         longest = max(longest, perf_counter_ns() - t)
     rec.close()
+    assert rec.kernel_timing_state() == "off"
     run = load_run(tmp_path / "r")
     assert collector.thread == "overshoot-kernels" and longest < 50_000_000
     assert ready_at is not None and sampler.windows == 1
@@ -320,6 +321,28 @@ def test_kernels_mode_sets_up_off_thread_and_measures_its_cost_from_the_steps_be
     assert 5 <= (~inside).sum() and (steps.loc[inside, "kernels"] == KERNELS).all()
     cost = float(np.nanmedian(steps["_collector_ns"]))
     assert abs(cost - CostlyPreparedOffThread.COST_NS) < 4_000, cost
+
+
+class FailingPrepare(VirtualCollector):
+    def prepare(self) -> None:
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+
+def test_a_collector_that_cannot_be_set_up_leaves_the_run_on_events(tmp_path):
+    collector = FailingPrepare()
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="kernels")
+    sampler = rec._sampler = KernelSampler(rec, collector, mode="kernels", drain_seconds=0.05)
+    gpu_free, deadline = 0, time.monotonic() + 5
+    while rec.kernel_timing_state() == "setting up" and time.monotonic() < deadline:
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        with rec.busy("launch"):
+            gpu_free = collector.launch(gpu_free)
+    assert rec.kernel_timing_state() == "off"
+    rec.step_end()
+    rec.close()
+    run = load_run(tmp_path / "r")
+    assert sampler.windows == 0 and collector.enables == 0 and len(run.kernels) == 0 and len(run.steps) > 0
+    assert any("kernel timing not started: RuntimeError" in e for e in run.processes[0]["errors"])
 
 
 def test_a_long_step_of_another_kind_after_a_window_is_no_cost_of_it(tmp_path, monkeypatch):

@@ -138,6 +138,7 @@ class KernelSampler:
         self._seen: set[tuple] = set()
         # The collector is set up on the drain thread; windows open once that is done.
         self._prepared = threading.Event()
+        self._failed = False  # the set-up raised: no window will open
         self.prepare_ns = 0
         if not hasattr(collector, "prepare"):
             self._prepared.set()
@@ -203,9 +204,12 @@ class KernelSampler:
                 same = self._plain_of[key] = deque(maxlen=self.window_steps)
             same.append(duration)
 
-    def ready(self) -> bool:
-        """The collector is set up: a window can open at the next step boundary."""
-        return self._prepared.is_set() and not self._stop.is_set()
+    def state(self) -> str:
+        """"ready" (a window can open at the next step boundary), "setting up" (the drain thread is setting
+        the collector up) or "off" (its set-up failed, or the sampler is closed)."""
+        if self._failed or self._stop.is_set():
+            return "off"
+        return "ready" if self._prepared.is_set() else "setting up"
 
     def pause(self) -> None:
         """Collector off while the host runs work it does not record (no steps: the unhooked rounds of
@@ -337,6 +341,7 @@ class KernelSampler:
                 self.collector.prepare()
             except Exception as e:  # no window ever opens: the run goes on with events
                 self.recorder._io.note_error(f"kernel timing not started: {type(e).__name__}: {e}")
+                self._failed = True
                 return
             finally:
                 self.prepare_ns = perf_counter_ns() - t

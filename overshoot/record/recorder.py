@@ -602,12 +602,10 @@ class Recorder:
             self._io.note_error(f"kernel timing off: {e}")
 
     def kernel_timing_state(self) -> str:
-        """"off" (no kernel timing: not asked for, no CUDA yet, or it could not start), "setting up" (its
-        collector is being set up on the drain thread, 50-240 ms for CUPTI; no window opens until then) or
-        "ready" (windows open at step boundaries)."""
-        if self._sampler is None:
-            return "off"
-        return "ready" if self._sampler.ready() else "setting up"
+        """"off" (no kernel timing: not asked for, no CUDA yet, it could not start, or it is closed),
+        "setting up" (its collector is being set up on the drain thread, 50-240 ms for CUPTI; no window
+        opens until then) or "ready" (windows open at step boundaries)."""
+        return "off" if self._sampler is None else self._sampler.state()
 
     def _gpu_fence(self):
         """`query` of the end event of the latest step with GPU work (True once the GPU has passed it), for
