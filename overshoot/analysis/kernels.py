@@ -24,9 +24,13 @@ DEFAULT_LATENCY_NS = 5_000.0
 
 @dataclass
 class StepKernels:
-    """Per step of the timeline (aligned arrays; NaN where the step is not instrumented)."""
+    """The instrumented steps of a timeline of `n` steps: their rows (`rows`, sorted) and, aligned with
+    them, their figures (NaN: no kernel in the step). A sampled run instruments ~3% of its steps, so only
+    theirs are kept (`dense` spreads a figure over the timeline): a million steps' nine dense arrays were
+    ~70 MB."""
 
-    instrumented: np.ndarray  # bool
+    n: int
+    rows: np.ndarray  # timeline rows of the instrumented steps
     kernels: np.ndarray  # count launched in the step
     busy_ns: np.ndarray  # union of the step's kernel intervals
     first_ns: np.ndarray  # first kernel start
@@ -35,6 +39,7 @@ class StepKernels:
     launch_ns: np.ndarray  # host time inside the launch calls (a graph launch counted once)
     launches: np.ndarray  # launch calls (a graph launch counted once)
     first_launch_ns: np.ndarray  # host time of the step's first launch
+    chain_total: np.ndarray  # sum of kernel durations
     latency_ns: float  # median launch-to-start of kernels launched onto an idle stream
     empty_windows: int  # kernel-timing windows with no record launched inside (records lost): not used
     # Kernel chains for the replay: kernel rows of instrumented steps, grouped by step (contiguous).
@@ -42,17 +47,34 @@ class StepKernels:
     chain_offset: np.ndarray  # launch - the step's first launch (host ns)
     chain_launch: np.ndarray  # how many of the step's launch calls came before this kernel's
     chain_rest: np.ndarray  # duration of this kernel and every later one of the step (ns)
-    chain_total: np.ndarray  # per step: sum of kernel durations (NaN where not instrumented)
 
     @property
     def any(self) -> bool:
-        return bool(self.instrumented.any())
+        return len(self.rows) > 0
+
+    @property
+    def instrumented(self) -> np.ndarray:
+        """Per timeline row: whether the step is instrumented."""
+        out = np.zeros(self.n, bool)
+        out[self.rows] = True
+        return out
+
+    @property
+    def with_kernels(self) -> np.ndarray:
+        """Per instrumented step: whether it launched a kernel (its GPU work is replayed kernel by kernel)."""
+        return self.kernels > 0
+
+    def dense(self, values: np.ndarray) -> np.ndarray:
+        """A figure of the instrumented steps over the whole timeline (NaN elsewhere)."""
+        out = np.full(self.n, np.nan)
+        out[self.rows] = values
+        return out
 
     def replay_terms(self, cpu_scale: float | np.ndarray, gpu_scale: float | np.ndarray) -> np.ndarray:
         """Per step: K = max over its kernels of (cpu_scale x launch offset + latency + gpu_scale x the
         remaining durations); the step's GPU work then ends at max(previous end + gpu_scale x total,
         first launch' + K). Scales: one for all steps or one per step. NaN where not instrumented."""
-        out = np.full(len(self.instrumented), np.nan)
+        out = np.full(self.n, np.nan)
         if len(self.chain_step) == 0:
             return out
         if np.ndim(cpu_scale):
@@ -65,19 +87,18 @@ class StepKernels:
         return out
 
 
-def empty_kernels(n: int, *, filled: bool = True) -> StepKernels:
-    """No step instrumented. `filled`: one array per field, to be filled in place; else every field reads
-    one read-only NaN array (a run without kernel timing: 60 MB less at a million steps)."""
-    shared = None if filled else np.full(n, np.nan)
-    if shared is not None:
-        shared.flags.writeable = False
+def empty_kernels(n: int, rows: np.ndarray | None = None) -> StepKernels:
+    """Instrumented steps `rows` (none by default) with no kernel yet: counts, busy and launch time 0, the
+    times NaN."""
+    rows = np.zeros(0, "int64") if rows is None else rows
+    m = len(rows)
 
     def nan() -> np.ndarray:
-        return np.full(n, np.nan) if shared is None else shared
+        return np.full(m, np.nan)
 
     chains = np.empty(0, "int64"), np.empty(0), np.empty(0), np.empty(0)
-    return StepKernels(np.zeros(n, bool), nan(), nan(), nan(), nan(), nan(), nan(), nan(), nan(),
-                       DEFAULT_LATENCY_NS, 0, *chains, nan())
+    return StepKernels(n, rows, np.zeros(m), np.zeros(m), nan(), nan(), nan(), np.zeros(m), np.zeros(m),
+                       nan(), np.zeros(m), DEFAULT_LATENCY_NS, 0, *chains)
 
 
 def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
@@ -107,7 +128,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     """Join a run's kernel rows to the steps of one timeline (rows ordered by start)."""
     n = len(timeline)
     if kernels is None or len(kernels) == 0 or n == 0:
-        return empty_kernels(n, filled=False)
+        return empty_kernels(n)
     start = timeline["start_ns"].to_numpy("float64")
     end = timeline["end_ns"].to_numpy("float64")
     g_start = kernels["gpu_start_ns"].to_numpy("float64")
@@ -120,15 +141,9 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     row = np.searchsorted(start, key, side="right") - 1
     inside = (row >= 0) & (key < end[np.maximum(row, 0)])
     inside &= inst[np.maximum(row, 0)]
-    out = empty_kernels(n)
-    out.instrumented = inst
+    out = empty_kernels(n, np.flatnonzero(inst))
     out.latency_ns = latency
     out.empty_windows = empty_windows
-    out.kernels = np.where(inst, 0.0, np.nan)
-    out.busy_ns = np.where(inst, 0.0, np.nan)
-    out.launch_ns = np.where(inst, 0.0, np.nan)
-    out.launches = np.where(inst, 0.0, np.nan)
-    out.chain_total = np.where(inst, 0.0, np.nan)
     if not inside.any():
         return out
     # Chain order: by step, then launch (a graph's kernels share theirs: then by GPU start).
@@ -137,44 +152,45 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     r, s, e, k = row[order], g_start[order], g_end[order], key[order]
     heads = np.flatnonzero(np.diff(r, prepend=-1))
     steps_with = r[heads]
+    at = np.searchsorted(out.rows, steps_with)  # their places among the instrumented steps
     counts = np.diff(np.append(heads, len(r)))
-    out.kernels[steps_with] = counts
+    out.kernels[at] = counts
     # Busy: union of the step's intervals, sorted by GPU start within the step.
     by_start = np.lexsort((s, r))
     rs, ss, es = r[by_start], s[by_start], e[by_start]
     prev_max = pd.Series(es).groupby(rs).cummax().groupby(rs).shift(1).to_numpy("float64")
     covered = np.maximum(es - np.fmax(ss, np.nan_to_num(prev_max, nan=-np.inf)), 0.0)
-    out.busy_ns[steps_with] = np.add.reduceat(covered, heads)
-    out.first_ns[steps_with] = np.minimum.reduceat(s, heads)
-    out.last_ns[steps_with] = np.maximum.reduceat(e, heads)
+    out.busy_ns[at] = np.add.reduceat(covered, heads)
+    out.first_ns[at] = np.minimum.reduceat(s, heads)
+    out.last_ns[at] = np.maximum.reduceat(e, heads)
     # Launch calls: a graph's kernels share their call (and its launch time), adjacent in chain order.
     new_call = np.ones(len(r), bool)
     new_call[1:] = (r[1:] != r[:-1]) | (k[1:] != k[:-1])
     # Launch time: each launch call once (NaN where no call of the step has a known end).
     call_ns = np.where(new_call, l_end[order] - k, np.nan)
     known = ~np.isnan(call_ns)
-    out.launch_ns[steps_with] = np.where(np.add.reduceat(known, heads) > 0,
+    out.launch_ns[at] = np.where(np.add.reduceat(known, heads) > 0,
                                          np.add.reduceat(np.where(known, call_ns, 0.0), heads), np.nan)
-    out.first_launch_ns[steps_with] = k[heads]
+    out.first_launch_ns[at] = k[heads]
     # Idle before: the step's first start minus the end of every kernel that started before it.
     all_order = np.argsort(g_start, kind="stable")
     ends_before = np.maximum.accumulate(g_end[all_order])
-    j = np.searchsorted(g_start[all_order], out.first_ns[steps_with], side="left") - 1
+    j = np.searchsorted(g_start[all_order], out.first_ns[at], side="left") - 1
     prev_end = np.where(j >= 0, ends_before[np.maximum(j, 0)], np.nan)
     recorded_before = np.zeros(len(steps_with), bool)
     recorded_before[steps_with > 0] = inst[steps_with[steps_with > 0] - 1]
-    out.idle_before_ns[steps_with] = np.where(
-        recorded_before, np.maximum(out.first_ns[steps_with] - prev_end, 0.0), np.nan)
+    out.idle_before_ns[at] = np.where(
+        recorded_before, np.maximum(out.first_ns[at] - prev_end, 0.0), np.nan)
     # Replay chains.
     d = e - s
     total = np.add.reduceat(d, heads)
-    out.chain_total[steps_with] = total
+    out.chain_total[at] = total
     before = np.cumsum(d) - d - np.repeat(np.cumsum(d)[heads] - d[heads], counts)
     out.chain_step = r.astype("int64")
     out.chain_offset = k - np.repeat(k[heads], counts)
     calls = np.cumsum(new_call) - 1
     out.chain_launch = (calls - np.repeat(calls[heads], counts)).astype("float64")
-    out.launches[steps_with] = np.add.reduceat(new_call, heads)
+    out.launches[at] = np.add.reduceat(new_call, heads)
     out.chain_rest = np.repeat(total, counts) - before
     return out
 
@@ -246,17 +262,18 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     times = out[["start_ns", "end_ns"]]
     sk = step_kernels(times if len(rows) == n else times.iloc[rows], getattr(run, "kernels", None),
                       getattr(run, "kernel_windows", None))
+    inst_rows = rows[sk.rows]  # the instrumented steps' rows in `out`
     inst = np.zeros(n, bool)
-    inst[rows] = sk.instrumented
+    inst[inst_rows] = True
     cols = {name: nan.copy() for name in ("kernels", "gpu_busy_ms", "gpu_idle_in_step_ms", "launch_ms")}
-    cols["kernels"][rows] = sk.kernels
-    cols["gpu_busy_ms"][rows] = sk.busy_ns / 1e6
-    cols["gpu_idle_in_step_ms"][rows] = np.maximum(sk.last_ns - sk.first_ns - sk.busy_ns, 0.0) / 1e6
-    cols["gpu_idle_in_step_ms"][rows[sk.instrumented & (sk.kernels == 0)]] = 0.0
-    cols["launch_ms"][rows] = sk.launch_ns / 1e6
+    cols["kernels"][inst_rows] = sk.kernels
+    cols["gpu_busy_ms"][inst_rows] = sk.busy_ns / 1e6
+    cols["gpu_idle_in_step_ms"][inst_rows] = np.where(
+        sk.with_kernels, np.maximum(sk.last_ns - sk.first_ns - sk.busy_ns, 0.0) / 1e6, 0.0)
+    cols["launch_ms"][inst_rows] = sk.launch_ns / 1e6
     before = out["gpu_idle_before_ms"].to_numpy(dtype="float64").copy()
     k_before = nan.copy()
-    k_before[rows] = sk.idle_before_ns / 1e6
+    k_before[inst_rows] = sk.idle_before_ns / 1e6
     before = np.where(np.isnan(k_before), before, k_before)
     out["gpu_idle_before_ms"] = before
     for name, values in cols.items():
@@ -289,9 +306,10 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     if measured.any():  # (without kernel records these would be a million-long -1s and NaNs: 16 MB each)
         out["_busy_group"] = group
         plain = np.zeros(n, bool)
-        plain[rows] = ~sk.instrumented
+        plain[rows] = True
+        plain[inst_rows] = False
         launches = nan.copy()
-        launches[rows] = sk.launches
+        launches[inst_rows] = sk.launches
         busy = out["busy_ms"].to_numpy(dtype="float64") * 1e6
         out["_collector_ns"] = collector_cost(group, busy, measured, plain, launches)
     return sk

@@ -286,7 +286,7 @@ def _without_collector(kernels: StepKernels, kernel_step: np.ndarray, cost: np.n
     corrected = cost > 0
     if not corrected.any():
         return kernels, corrected
-    extra = cost * np.nan_to_num(kernels.launches)
+    extra = cost * np.nan_to_num(kernels.dense(kernels.launches))
     c1 -= np.where(wait_first, 0.0, extra)
     c2 -= np.where(wait_first, extra, 0.0)
     offset = np.maximum(kernels.chain_offset - cost[kernels.chain_step] * kernels.chain_launch, 0.0)
@@ -320,9 +320,12 @@ def _gpu_interval(tl: pd.DataFrame, kernels: StepKernels | None) -> tuple[np.nda
     g_end = tl["gpu_end_ns"].to_numpy(dtype="float64")
     kernel_step = np.zeros(len(tl), bool)
     if kernels is not None:
-        kernel_step = kernels.instrumented & (np.nan_to_num(kernels.kernels) > 0)
-        g_start = np.where(kernel_step, kernels.first_ns, g_start)
-        g_end = np.where(kernel_step, kernels.last_ns, g_end)
+        has = kernels.with_kernels
+        at = kernels.rows[has]
+        kernel_step[at] = True
+        g_start, g_end = g_start.copy(), g_end.copy()  # (to_numpy may hand out the frame's own data)
+        g_start[at] = kernels.first_ns[has]
+        g_end[at] = kernels.last_ns[has]
     return g_start, g_end, kernel_step
 
 
@@ -336,7 +339,9 @@ def _launch_point(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKer
     else:
         launch = np.fmin(np.fmin(g_start, ws), _launch_span_start(tl, spans))
     if kernels is not None:  # launch offsets of the kernel chains are relative to the first launch
-        launch = np.where(kernel_step, kernels.first_launch_ns, launch)
+        has = kernels.with_kernels
+        launch = launch.copy()
+        launch[kernels.rows[has]] = kernels.first_launch_ns[has]
     return np.clip(np.where(has_gpu, launch, ws), start, end)
 
 
@@ -400,7 +405,7 @@ def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarra
         k_est = np.where(np.isnan(ratio), p.gpu_ns * cpu_scale, p.gpu_ns * ratio)
         k = np.where(estimate, np.maximum(busy, k_est), k)
     if chain_k is not None:
-        d = np.where(p.kernel_step, p.kernels.chain_total * gpu_scale, d)
+        d = np.where(p.kernel_step, p.kernels.dense(p.kernels.chain_total) * gpu_scale, d)
         k = np.where(p.kernel_step, chain_k, k)
     return d, k
 
