@@ -12,7 +12,8 @@ Modes: "kernels" records every step (one window for the whole run). "sampled" re
 time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
 that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
-every group of a load sweep gets kernel data. In both modes the collector's once-a-process set-up
+every group of a load sweep gets kernel data (the first window, which usually falls in the engine's
+warm-up, marks no group as seen). In both modes the collector's once-a-process set-up
 (`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the engine
 thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets the
 instrumented steps against to measure the collector's own cost per launch call.
@@ -177,7 +178,9 @@ class KernelSampler:
         self._last_t = t
         if self._on:
             self._steps_in_window += 1
-            self._seen.add(key)  # the step that ran inside the window
+            if self.windows > 1:  # (the first window, opened as soon as the collector is ready, usually
+                # falls in the engine's warm-up: its groups still get a window once they run for real)
+                self._seen.add(key)  # the step that ran inside the window
             if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
                 return t
             return self._close_window(t)
