@@ -12,7 +12,14 @@ import numpy as np
 import pandas as pd
 from pandas.core.groupby import SeriesGroupBy
 
-from overshoot.analysis.frames import codes_and_names, group_ids, per_step, positions, worker_rows
+from overshoot.analysis.frames import (
+    codes_and_names,
+    group_ids,
+    group_keys,
+    per_step,
+    positions,
+    worker_rows,
+)
 from overshoot.analysis.kernels import SOURCES, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
@@ -185,7 +192,7 @@ def summarize(
         spans = spans if mine.all() else spans[mine]
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
     kept, left_out = _summarised(drop_warmup(timeline, warmup_steps))
-    keys = (["concurrency"] if "concurrency" in kept.columns else []) + ["phase", "batch_size"]
+    keys = group_keys(kept)
     ids = group_ids(kept, keys) if len(kept) else None  # the what-ifs' groups and the table's
     group_of = None
     if ids is not None and what_ifs and len(kept) == len(timeline):

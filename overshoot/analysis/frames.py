@@ -113,6 +113,14 @@ def worker_rows(steps: pd.DataFrame) -> np.ndarray:
     return pd.to_numeric(steps["rank"], errors="coerce").notna().to_numpy()
 
 
+# What the report's groups (and the kernel figures' plain-step estimates) are keyed by, where present.
+GROUP_KEYS = ("concurrency", "phase", "batch_size")
+
+
+def group_keys(df: pd.DataFrame) -> list[str]:
+    return [k for k in GROUP_KEYS if k in df.columns]
+
+
 def group_ids(df: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Group id per row (groups in sorted key order, nulls last) and the first row of each group."""
     codes, sizes = [], []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from overshoot.analysis.frames import group_ids, run_starts, str_column, worker_rows
+from overshoot.analysis.frames import group_ids, group_keys, run_starts, str_column, worker_rows
 
 # Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
 SOURCES = ("kernels", "estimate", "events", "none")
@@ -338,7 +338,7 @@ def collector_cost(group: np.ndarray, busy_ns: np.ndarray, measured: np.ndarray,
 
 def busy_groups(df: pd.DataFrame) -> np.ndarray:
     """Per row: a number for its (concurrency, phase, batch size)."""
-    return group_ids(df, [k for k in ("concurrency", "phase", "batch_size") if k in df.columns])[0]
+    return group_ids(df, group_keys(df))[0]
 
 
 def per_group(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
