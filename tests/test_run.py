@@ -454,6 +454,10 @@ def test_hook_overhead_pairs_rounds_and_times_every_decode_step_of_each_way(tmp_
         assert cost["step_delta_us"] == pytest.approx(cost["step_us"] - row["step_us"])
         assert cost["run"]["decode_steps"] >= rounds * (tokens - 1)
     assert "median step" in done.stdout
+    # the host's clock read cost beside the figures it explains (the hooks read it ~15 times a step)
+    clock = json.loads((tmp_path / "hook_overhead.json").read_text())["host_clock"]
+    assert 0 < clock["perf_counter_ns_ns"] < 100_000
+    assert f"perf_counter_ns() {clock['perf_counter_ns_ns']:.0f} ns a call" in done.stdout
 
 
 @pytest.mark.parametrize("drafter", ["host", "device"])
