@@ -162,9 +162,6 @@ class KernelSampler:
         key, self._key = self._key, (phase, batch_size)  # the step that ends at `t`, the one that starts
         if ended is not None:
             key = ended
-        # The starting step's group, for the rule that opens a window for a group not seen yet: with its
-        # facts still unknown, the step before's (a served engine's groups change seldom from step to step).
-        coming = (phase, batch_size) if phase is not None or batch_size is not None else key
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
             if self._last_t:  # a step still under the collector is neither plain nor inside a window
                 self._after.append((t - self._last_t, key))
@@ -178,19 +175,26 @@ class KernelSampler:
         self._last_t = t
         if self._on:
             self._steps_in_window += 1
-            if self.windows > 1:  # (the first window, opened as soon as the collector is ready, usually
-                # falls in the engine's warm-up: its groups still get a window once they run for real)
+            # The first window opens as soon as the collector is ready, usually in the engine's warm-up: the
+            # groups it saw still get a window once they run for real.
+            if self.windows > 1:
                 self._seen.add(key)  # the step that ran inside the window
             if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
                 return t
             return self._close_window(t)
         self._steps_since += 1
         due = self._steps_since >= self._gap or (
-            self._steps_since >= self.min_gap and coming not in self._seen)
+            self._steps_since >= self.min_gap and self._coming(key, phase, batch_size) not in self._seen)
         if (self.windows == 0 or due) and self._prepared.is_set():
             self._steps_in_window = 1
             return self._open_window(t)
         return t
+
+    @staticmethod
+    def _coming(ended: tuple, phase: str | None, batch_size: int | None) -> tuple:
+        """The starting step's group; with its facts still unknown (the hooks give them inside the step), the
+        step before's: a served engine's groups change seldom from one step to the next."""
+        return (phase, batch_size) if phase is not None or batch_size is not None else ended
 
     def _count_step(self, duration: int, key: tuple) -> None:
         if self._on:
