@@ -16,6 +16,7 @@ from synthetic_engine import spin
 
 from overshoot import Recorder
 from overshoot.analysis.analyze import steps_table, summarize
+from overshoot.analysis.kernels import instrumented_steps
 from overshoot.record.kernel_timing import KernelSampler
 from overshoot.rundir.reader import load_run
 from overshoot.rundir.spool import read_stream_file
@@ -577,3 +578,41 @@ def test_settle_waits_for_the_drain_thread_to_write_what_came_before_the_pause(t
     idle.pause()
     assert idle.settle(timeout=0.01)
     idle.close()
+
+
+def test_on_the_hooked_reference_engine_each_group_gets_a_window(tmp_path):
+    """The real reference engine (tiny, CPU) measured through its hooks, which give each step its facts inside
+    it: a batch-1 stretch, then a batch-4 one. Switching on costs 2 ms, so at the 0.5% budget the spacing
+    alone would put windows hundreds of steps apart; the batch-4 group still gets one of its own."""
+    from engine_hooks import patcher
+    from engine_hooks.reference import SPEC
+    from reference_engine.config import Config
+    from reference_engine.engine import Engine, SamplingParams
+
+    opened: list[Recorder] = []
+
+    def factory(engine: str, process_info: dict) -> Recorder:
+        rec = Recorder(tmp_path / "run", engine=engine, process_info=process_info, gpu_timing="sampled")
+        rec.start_kernel_timing(SlowSwitch())
+        opened.append(rec)
+        return rec
+
+    statuses = patcher.install(SPEC, recorder_factory=factory)
+    try:
+        assert all(s.status == "installed" for s in statuses), statuses
+        engine = Engine(Config(preset="tiny", device="cpu"))
+        params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        engine.generate([[5, 6, 7, 8]], params)
+        engine.generate([[5, 6, 7, 8]] * 4, params)
+    finally:
+        patcher.reset()
+    for rec in opened:
+        rec.close()
+    run = load_run(tmp_path / "run")
+    steps = run.steps.sort_values("start_ns")
+    inside, _ = instrumented_steps(steps["start_ns"].to_numpy("float64"), steps["end_ns"].to_numpy("float64"),
+                                   run.kernel_windows)
+    decode = (steps["phase"] == "decode").to_numpy()
+    batches = steps["batch_size"].to_numpy("float64", na_value=np.nan)
+    assert (decode & (batches == 4)).sum() >= 100
+    assert (inside & decode & (batches == 4)).sum() >= 4, run.kernel_windows
