@@ -126,8 +126,8 @@ def run_case(rec, case: str, mode: str, steps: int, cycles: float, *, gpu: float
     """`steps` steps of a case's loop, its kernels scaled by `gpu` and its CPU spins by `cpu`."""
     p = CASES[case]
     return engine_loop(rec, mode=mode, steps=steps, kernels=p["kernels"], kernel_us=p["kernel_us"] * gpu,
-                gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu, cycles=cycles,
-                lead_s=lead_s)
+                       gap_us=p["gap_us"] * cpu, pre_us=p["pre_us"] * cpu, post_us=p["post_us"] * cpu,
+                       cycles=cycles, lead_s=lead_s)
 
 
 def recorded(case: str, mode: str, args, cycles: float, *, gpu_timing: str) -> dict:

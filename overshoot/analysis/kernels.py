@@ -53,13 +53,6 @@ class StepKernels:
         return len(self.rows) > 0
 
     @property
-    def instrumented(self) -> np.ndarray:
-        """Per timeline row: whether the step is instrumented."""
-        out = np.zeros(self.n, bool)
-        out[self.rows] = True
-        return out
-
-    @property
     def with_kernels(self) -> np.ndarray:
         """Per instrumented step: whether it launched a kernel (its GPU work is replayed kernel by kernel)."""
         return self.kernels > 0
@@ -170,7 +163,7 @@ def step_kernels(timeline: pd.DataFrame, kernels: pd.DataFrame | None,
     call_ns = np.where(new_call, l_end[order] - k, np.nan)
     known = ~np.isnan(call_ns)
     out.launch_ns[at] = np.where(np.add.reduceat(known, heads) > 0,
-                                         np.add.reduceat(np.where(known, call_ns, 0.0), heads), np.nan)
+                                 np.add.reduceat(np.where(known, call_ns, 0.0), heads), np.nan)
     out.first_launch_ns[at] = k[heads]
     # Idle before: the step's first start minus the end of every kernel that started before it.
     all_order = np.argsort(g_start, kind="stable")
