@@ -350,7 +350,9 @@ def host_clock(calls: int = 200_000) -> dict:
         for _ in range(calls):
             now()
         best = min(best, (now() - start) / calls)
-    return {"clocksource": source, "perf_counter_ns_ns": round(best, 1)}
+    from overshoot.record import hotpath
+
+    return {"clocksource": source, "perf_counter_ns_ns": round(best, 1), "hotpath": hotpath.describe()}
 
 
 def print_table(results: list[dict], args, clock: dict | None = None) -> None:
@@ -359,7 +361,8 @@ def print_table(results: list[dict], args, clock: dict | None = None) -> None:
           "median")
     if clock:
         print(f"host clock: {clock['clocksource'] or 'unknown source'}, perf_counter_ns() "
-              f"{clock['perf_counter_ns_ns']:.0f} ns a call (in a Python loop, its best of 5)")
+              f"{clock['perf_counter_ns_ns']:.0f} ns a call (in a Python loop, its best of 5); recorder hot "
+              f"path {clock.get('hotpath', 'unknown')}")
     modes = [*args.modes] + (["profiler"] if args.profiler else [])
     print(f"{'configuration':22} {'batch':>5} {'rounds':>6} {'plain ms':>8} "
           + " ".join(f"{m:>22}" for m in modes) + "  per mode: kernel steps, median round ratio, own account")

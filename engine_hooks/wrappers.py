@@ -77,6 +77,9 @@ _process_match: dict[tuple[int, str], bool] = {}
 def make_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: RecorderFactory | None):
     if any(t.processes for t in targets):
         return _process_wrapper(func, targets, spec, factory)
+    wrapper = _c_wrapper(func, targets, spec, factory)
+    if wrapper is not None:
+        return wrapper
     if (len(targets) == 1 and targets[0].facts is None and targets[0].process_facts is None
             and targets[0].role in ("step", "busy", "wait")):
         fast = {"step": _step_wrapper, "busy": _busy_wrapper, "wait": _wait_wrapper}[targets[0].role]
@@ -84,6 +87,40 @@ def make_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: Rec
         wrapper.__overshoot_hooked__ = True
         return wrapper
     return _general_wrapper(func, targets, spec, factory)
+
+
+C_ROLES = frozenset({"step", "idle", "busy", "wait", "gpu"})
+
+
+def _c_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: RecorderFactory | None):
+    """The wrapper in C (overshoot/record/hot.c's Hooked: no Python frame of its own, the span calls in C)
+    for every target but those that close the recorder or record process facts; None where hot.c did not
+    build (the Python wrappers below do the same)."""
+    from overshoot.record import hotpath
+
+    roles = [t.role for t in targets]
+    facts = [t for t in targets if t.facts is not None]
+    if (hotpath.native is None or not set(roles) <= C_ROLES or len(set(roles)) < len(roles) or len(facts) > 1
+            or any(t.process_facts is not None for t in targets)):
+        return None
+    label = {t.role: t.span_label for t in targets}
+    name = targets[0].name
+
+    def facts_failed(exc: BaseException) -> None:  # a renamed field in the engine must not break it
+        log(f"facts of {facts[0].name} disabled: {type(exc).__name__}: {exc}")
+        status.note(facts[0].name, f"facts disabled: {type(exc).__name__}: {exc}")
+
+    def gpu_failed(exc: BaseException) -> None:
+        log(f"GPU events of {name} disabled: {type(exc).__name__}: {exc}")
+
+    wrapper = hotpath.native.Hooked(
+        func, busy=label.get("busy"), wait=label.get("wait"), step="step" in label, idle="idle" in label,
+        stream_of=spec.stream if "gpu" in label else None, facts=facts[0].facts if facts else None,
+        globals=globals(), open=functools.partial(_open_recorder, spec.name, factory),
+        failed=_recording_failed, facts_failed=facts_failed, gpu_failed=gpu_failed)
+    functools.update_wrapper(wrapper, func)
+    wrapper.__overshoot_hooked__ = True
+    return wrapper
 
 
 # Fast paths for the calls that run several times per step: one role, no facts, no GPU events. Recorder

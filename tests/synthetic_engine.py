@@ -145,15 +145,15 @@ def run_synthetic(rec, cfg: SyntheticConfig) -> SyntheticRun:
             rec.wait_begin("device")
             wait_needed = max(0, awaited[1] - t_wait)
             spin_until(awaited[1])
-            rec.wait_end()
-            waited_ns = perf_counter_ns() - t_wait
+            waited_ns = perf_counter_ns() - t_wait  # read before the call: the truth brackets the wait only,
+            rec.wait_end()  # not the recorder's own work after its clock read
             rec.busy_begin("update")
             spin(busy[3])
             rec.busy_end()
             planned_busy += busy[3]
         in_flight = launched if cfg.mode == "async" else None
+        end = perf_counter_ns()  # before the call, as above: the boundary's own work is no part of the step
         rec.step_end()
-        end = perf_counter_ns()
         out.truth.append(
             StepTruth(
                 step=n, start_ns=start, end_ns=end, wait_needed_ns=wait_needed,

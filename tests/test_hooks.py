@@ -419,3 +419,113 @@ def test_process_facts_go_to_the_process_record_once(toy, tmp_path):
     opened[0].close()
     process = load_run(tmp_path / "run").processes[0]
     assert (process["rank"], process["world_size"]) == (3, 4) and len(calls) == 1
+
+
+@pytest.fixture(params=["c", "python"])
+def wrappers_in(request, monkeypatch):
+    """Each test runs with the C wrappers (hot.c's Hooked) and with the Python ones they stand in for."""
+    from engine_hooks import wrappers
+    from overshoot.record import hotpath
+
+    if request.param == "c" and hotpath.native is None:
+        pytest.skip(f"no C hot path here: {hotpath.describe()}")
+    if request.param == "python":
+        monkeypatch.setattr(wrappers, "_c_wrapper", lambda *args: None)
+    return request.param
+
+
+def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatch):
+    """Both wrapper kinds on the same clock readings write identical steps (facts included) and spans."""
+    from test_recorder import fake_clock
+
+    from engine_hooks import wrappers
+
+    module = importlib.import_module(toy)
+    runs = {}
+    for impl in ("c", "python"):
+        patcher.reset()
+        if impl == "python":
+            monkeypatch.setattr(wrappers, "_c_wrapper", lambda *args: None)
+        ticks = iter(range(10**9, 2 * 10**9, 1000))
+        with fake_clock(monkeypatch, ticks.__next__):
+            opened: list[Recorder] = []
+            install(toy_spec(toy), recorder_factory=recorder_in(tmp_path / impl, opened))
+            kind = type(module.Engine.__dict__["schedule"]).__name__
+            module.run(module.Engine(), steps=6)
+            opened[0].close()
+        runs[impl] = (kind, load_run(tmp_path / impl))
+    from overshoot.record import hotpath
+
+    assert runs["python"][0] == "function" and runs["c"][0] == ("Hooked" if hotpath.native else "function")
+    c, python = runs["c"][1], runs["python"][1]
+    assert len(c.steps) == 6 and (c.steps["batch_size"] == 3).all() and len(c.spans) == 19
+
+    def rows(frame):
+        return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
+
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
+    pd.testing.assert_frame_equal(rows(c.spans), rows(python.spans))
+
+
+def test_an_engine_exception_passes_through_with_its_span_closed(toy, tmp_path, wrappers_in):
+    module = importlib.import_module(toy)
+
+    def launch(self, batch):
+        raise ValueError(f"engine failure {batch.num_seqs}")
+
+    module.Engine.launch = launch  # before install: the hook wraps it
+    opened: list[Recorder] = []
+    install(toy_spec(toy), recorder_factory=recorder_in(tmp_path / "run", opened))
+    engine = module.Engine()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="engine failure 3") as raised:
+            engine.step()
+        assert raised.traceback[-1].name == "launch"  # the engine's own frame is where it raised
+    assert engine.schedule().num_seqs == 3  # the wrappers work on after it
+    opened[0].close()
+    spans = load_run(tmp_path / "run").spans
+    assert list(spans[spans.label == "launch"].groupby("step").size()) == [1, 1]  # closed, once a call
+
+
+def test_a_failing_recorder_turns_recording_off_and_the_engine_runs_on(toy, tmp_path, capfd, wrappers_in):
+    module = importlib.import_module(toy)
+
+    class Failing(Recorder):
+        __slots__ = ()
+
+        def busy_begin(self, label):
+            raise RuntimeError("disk full")
+
+    opened: list[Recorder] = []
+
+    def factory(engine: str, process_info: dict) -> Recorder:
+        opened.append(Failing(tmp_path / "run", engine=engine))
+        return opened[-1]
+
+    install(toy_spec(toy), recorder_factory=factory)
+    engine = module.Engine()
+    assert [engine.step() for _ in range(3)] == [[1, 1, 1]] * 3
+    opened[0].close()
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    assert len(err) == 1 and "recording disabled" in err[0] and "RuntimeError: disk full" in err[0]
+    assert len(opened) == 1 and len(load_run(tmp_path / "run").steps) == 1  # off from the first busy span
+
+
+def test_a_failing_stream_lookup_turns_gpu_events_off_only(toy, tmp_path, capfd, wrappers_in):
+    module = importlib.import_module(toy)
+
+    def no_stream(engine):
+        return engine.stream_renamed_upstream
+
+    spec = toy_spec(toy)
+    spec = EngineSpec(spec.name, spec.dist, spec.versions, spec.targets, stream=no_stream)
+    opened: list[Recorder] = []
+    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
+    module.run(module.Engine(), steps=3)
+    opened[0].close()
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    assert len(err) == 1 and "GPU events of" in err[0] and "stream_renamed_upstream" in err[0]
+    run = load_run(tmp_path / "run")
+    assert len(run.steps) == 3 and (run.spans.label == "launch").sum() == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -228,16 +229,31 @@ def _play(rec, ops, use_with: bool) -> None:
             getattr(rec, op)(*args)
 
 
-def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch):
-    """The `with` scopes inline the begin/end code (record/scopes.py): on the same clock readings both
-    forms must write identical spans and steps, misuse included."""
+@contextlib.contextmanager
+def fake_clock(monkeypatch, clock):
+    """Every clock the recorder reads, the C hot path's included, is `clock` inside the block."""
     import overshoot.record.recorder
     import overshoot.record.scopes
+    import overshoot.record.spans
+    from overshoot.record import hotpath
 
+    for module in (overshoot.record.recorder, overshoot.record.scopes, overshoot.record.spans):
+        monkeypatch.setattr(module, "perf_counter_ns", clock)  # scopes bind it when created
+    if hotpath.native is not None:
+        hotpath.native.set_clock(clock)
+    try:
+        yield
+    finally:
+        if hotpath.native is not None:
+            hotpath.native.set_clock(None)
+
+
+def _span_script() -> list:
+    """Spans nested, misused and deep, steps splitting open spans, more spans than the buffer holds."""
     deep: list = []
     for _ in range(70):  # deeper than the span stack
         deep = [("busy", "deep", deep)]
-    script = [
+    return [
         ("step_begin",),
         ("busy", "schedule", [("wait", "gpu", [("wait", "inner", [])])]),
         ("busy", "launch", [("busy", "split", [("step_begin",)])]),  # open spans at a step boundary
@@ -250,20 +266,64 @@ def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch
         *[("busy", "many", [])] * 40,  # more spans than span_capacity: exits flush
         ("wait", "last", []),
     ]
+
+
+def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch):
+    """The `with` scopes are their own code (hot.c's Scope, or record/scopes.py's closures that inline the
+    begin/end code): on the same clock readings both forms must write identical spans and steps, misuse
+    included."""
+    script = _span_script()
     runs = []
     for use_with in (True, False):
         ticks = iter(range(10**9, 2 * 10**9, 1000))
-        clock = ticks.__next__
-        monkeypatch.setattr(overshoot.record.recorder, "perf_counter_ns", clock)
-        monkeypatch.setattr(overshoot.record.scopes, "perf_counter_ns", clock)  # scopes bind it when created
-        rec = Recorder(tmp_path / str(use_with), engine="test", span_capacity=8)
-        _play(rec, script, use_with)
-        rec.close()
+        with fake_clock(monkeypatch, ticks.__next__):
+            rec = Recorder(tmp_path / str(use_with), engine="test", span_capacity=8)
+            _play(rec, script, use_with)
+            rec.close()
         runs.append(load_run(tmp_path / str(use_with)))
     scoped, paired = runs
     assert len(scoped.spans) > 100 and scoped.steps["wait_ns"].gt(0).any()
     pd.testing.assert_frame_equal(scoped.spans, paired.spans)
     pd.testing.assert_frame_equal(scoped.steps, paired.steps)
+
+
+@pytest.mark.parametrize("use_with", [True, False], ids=["with", "begin-end"])
+def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
+    """hot.c and record/spans.py + scopes.py are one contract in two languages: the same script on the same
+    clock readings writes identical spans and steps through either."""
+    from overshoot.record import cbuild
+
+    if cbuild.find_c_compiler() is None:
+        pytest.skip("no C compiler: only the Python hot path exists here")
+    code = textwrap.dedent(f"""
+        import sys
+        import pytest
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        import test_recorder as t
+        from overshoot import Recorder
+        from overshoot.record import hotpath
+        ticks = iter(range(10**9, 2 * 10**9, 1000))
+        with t.fake_clock(pytest.MonkeyPatch(), ticks.__next__):
+            rec = Recorder(sys.argv[1], engine="test", span_capacity=8)
+            t._play(rec, t._span_script(), {use_with})
+            rec.close()
+        print(hotpath.describe())
+    """)
+    ran = {}
+    for mode in ("c", "python"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / mode)], capture_output=True,
+                              text=True, env={**os.environ, "OVERSHOOT_HOTPATH": mode}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        ran[mode] = done.stdout.split()[0]
+    assert ran == {"c": "c", "python": "python"}
+    c, python = load_run(tmp_path / "c"), load_run(tmp_path / "python")
+    assert len(c.spans) > 100
+
+    def rows(frame: pd.DataFrame) -> pd.DataFrame:  # the process's identity differs, by design
+        return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
+
+    pd.testing.assert_frame_equal(rows(c.spans), rows(python.spans))
+    pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
 
 
 def test_time_based_flush_makes_data_readable_while_recording(tmp_path):

@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from time import perf_counter_ns
 
-from overshoot.record import lifecycle
+from overshoot.record import hotpath, lifecycle
 from overshoot.record.nvtx import make_ranges
 from overshoot.record.scopes import (
     BUSY,
@@ -47,7 +47,11 @@ from overshoot.record.scopes import (
     StepScope,
     fast_scope,
 )
+from overshoot.record.spans import PySpanStack
 from overshoot.record.writer import RecorderIO
+
+# busy_begin / wait_begin / _end and the state they keep: hot.c's SpanStack where it compiled, else spans.py.
+SpanStack = hotpath.native.SpanStack if hotpath.native is not None else PySpanStack
 
 FLUSH_LABEL = "overshoot:flush"
 # A step that waited this long on the GPU marks a GPU-bound stretch: the next wait does the recorder's own
@@ -67,7 +71,7 @@ RESOLVE, FLUSH = 1, 2  # values of `_wait_work`: what the next wait does (0: not
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
 
 
-class Recorder:
+class Recorder(SpanStack):
     """Per-thread step timer, writing to RUN/spool/. See the module docstring and docs/contracts.md §1.
 
     Options (keyword-only): `engine` (name in meta.json), `flush_steps` / `flush_seconds` (chunk size, checked
@@ -84,19 +88,14 @@ class Recorder:
     # Slots, not an instance dict: with this many attributes CPython 3.11 stops sharing dict keys and every
     # attribute access on the hot path gets ~20% slower.
     __slots__ = (
-        "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__",
-        "_flush_interval_ns", "_idle_flush_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap",
-        "_s_step", "_s_start", "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts",
-        "_n_steps", "_spans_cap", "_soft_steps", "_soft_spans", "_p_step", "_p_kind", "_p_label", "_p_start",
-        "_p_dur", "_n_spans",
-        "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
-        "_st_kind", "_st_label", "_st_start", "_depth", "_wait_depth", "_wait_start",
-        "_step", "_next_step", "_step_start", "_step_wait", "_wait_work", "_flush_ns", "_batch", "_tokens",
-        "_phase", "_facts",
-        "_gpu_t0", "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows",
-        "_flush_lock", "_flushing_ident", "_last_flush_ns", "_paused_at", "_closed",
-        "_k_lock", "_kw_lock", "_k_batches", "_k_rows", "_k_windows", "_sampler", "gpu_timing",
-        "busy", "_wait_scopes", "_idle_scope",
+        "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__", "_flush_interval_ns",
+        "_idle_flush_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap", "_s_step", "_s_start",
+        "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts", "_n_steps", "_soft_steps",
+        "_soft_spans", "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
+        "_next_step", "_step_start", "_flush_ns", "_batch", "_tokens", "_phase", "_facts", "_gpu_t0",
+        "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows", "_flush_lock",
+        "_flushing_ident", "_last_flush_ns", "_paused_at", "_closed", "_k_lock", "_kw_lock", "_k_batches",
+        "_k_rows", "_k_windows", "_sampler", "gpu_timing", "busy", "_wait_scopes", "_idle_scope",
     )
 
     def __init__(
@@ -130,7 +129,7 @@ class Recorder:
         self._nvtx = make_ranges(nvtx)
         self._nvtx_step = None
         options = {"flush_steps": flush_steps, "flush_seconds": flush_seconds, "nvtx": self._nvtx is not None,
-                   "gpu_timing": gpu_timing}
+                   "gpu_timing": gpu_timing, "hotpath": hotpath.describe()}
         thread_name = threading.current_thread().name
         self._io = RecorderIO(
             self.run_dir, engine=engine, thread_name=thread_name, thread_tag=thread_tag or thread_name,
@@ -334,38 +333,11 @@ class Recorder:
 
     def _scope(self, kind: str, label: str) -> AbstractContextManager:
         if self._nvtx is None:
+            if hotpath.native is not None:
+                return hotpath.native.Scope(self, label, kind is WAIT)
             return fast_scope(self, kind, label)
         begin = self.busy_begin if kind == BUSY else self.wait_begin  # NVTX: these push the range
         return SpanScope(begin, self._end, label)
-
-    # The span stack holds MAX_DEPTH entries; `_depth` keeps counting beyond that so that the matching ends
-    # of spans too deep to record are recognised and ignored. (try/except costs nothing when nothing raises.)
-
-    def busy_begin(self, label: str) -> None:
-        d = self._depth
-        self._depth = d + 1
-        try:
-            self._st_label[d] = label
-        except IndexError:
-            return
-        self._st_kind[d] = BUSY
-        self._st_start[d] = perf_counter_ns()
-
-    def wait_begin(self, label: str = "gpu") -> None:
-        t = perf_counter_ns()
-        d = self._depth
-        self._depth = d + 1
-        try:
-            self._st_label[d] = label
-        except IndexError:
-            return
-        self._st_kind[d] = WAIT
-        self._st_start[d] = t
-        if not self._wait_depth:
-            self._wait_start = t
-            if self._wait_work:
-                self._work_in_wait()
-        self._wait_depth += 1
 
     def _work_in_wait(self) -> None:
         """The recorder's own work inside the first wait after a GPU-bound step: its time counts in the wait
@@ -398,38 +370,6 @@ class Recorder:
             self._st_kind[d] = IDLE
             self._st_label[d] = IDLE
             self._st_start[d] = t
-
-    def _end(self) -> None:
-        """End the innermost open span (any kind). busy_end / wait_end / idle_end are this method."""
-        t = perf_counter_ns()
-        d = self._depth - 1
-        if d < 0:
-            return  # unmatched end: ignore rather than raise inside the engine
-        self._depth = d
-        if d >= MAX_DEPTH:
-            return
-        kind = self._st_kind[d]
-        start = self._st_start[d]
-        step = self._step
-        if kind is WAIT:
-            self._wait_depth -= 1
-            if not self._wait_depth and step >= 0:
-                self._step_wait += t - self._wait_start
-        elif kind is IDLE:
-            step = -1
-        n = self._n_spans
-        self._p_step[n] = step
-        self._p_kind[n] = kind
-        self._p_label[n] = self._st_label[d]
-        self._p_start[n] = start
-        self._p_dur[n] = t - start
-        self._n_spans = n + 1
-        if n + 1 >= self._spans_cap:
-            self.flush()
-
-    busy_end = _end
-    wait_end = _end
-    idle_end = _end
 
     def _emit_span(self, step: int, kind: str, label: str, start: int, dur: int) -> None:
         n = self._n_spans
@@ -746,6 +686,9 @@ class _NvtxRecorder(Recorder):
     wait_end = _end
     idle_end = _end
 
+
+if hotpath.native is not None:  # C calls the span methods of exactly this class directly, and these kinds
+    hotpath.native.configure(busy=BUSY, wait=WAIT, idle=IDLE, max_depth=MAX_DEPTH, recorder=Recorder)
 
 # Kept importable from here (hook bootstraps and tests call it as recorder.install_signal_handlers).
 install_signal_handlers = lifecycle.install_signal_handlers

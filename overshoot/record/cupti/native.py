@@ -1,10 +1,9 @@
 """The native side of kernel timing: find libcupti, compile the C shim (shim.c, calls.c) once; ctypes.
 
-The shim is compiled with the system C compiler (as Triton compiles its launchers) into a cache directory
-(`$OVERSHOOT_CACHE`, else `$XDG_CACHE_HOME/overshoot` or `~/.cache/overshoot`), named by a hash of its source
-and the platform, so an upgrade never loads a stale build. libcupti: the copy torch already loaded if any,
-else the nvidia wheel's for torch's CUDA major (13: `nvidia-cuda-cupti`, nvidia/cu13/lib/libcupti.so.13;
-12: `nvidia-cuda-cupti-cu12`, nvidia/cuda_cupti/lib/libcupti.so.12), else a CUDA toolkit's.
+The shim is compiled once per source and platform by record/cbuild.py (the system C compiler, a cache
+directory). libcupti: the copy torch already loaded if any, else the nvidia wheel's for torch's CUDA major
+(13: `nvidia-cuda-cupti`, nvidia/cu13/lib/libcupti.so.13; 12: `nvidia-cuda-cupti-cu12`,
+nvidia/cuda_cupti/lib/libcupti.so.12), else a CUDA toolkit's.
 """
 
 from __future__ import annotations
@@ -12,17 +11,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from overshoot.record.cbuild import compile_cached, find_c_compiler  # noqa: F401 (native.find_c_compiler)
 from overshoot.record.cupti.records import CALL_DTYPE, LayoutError
 
 SHIM_SOURCES = (Path(__file__).with_name("shim.c"), Path(__file__).with_name("calls.c"))
@@ -33,44 +28,10 @@ class CuptiError(RuntimeError):
     """A CUPTI call that failed; the message names the call and CUPTI's reason."""
 
 
-def cache_dir() -> str:
-    base = os.environ.get("OVERSHOOT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "overshoot")
-    try:
-        os.makedirs(base, exist_ok=True)
-        return base
-    except OSError:
-        fallback = os.path.join(tempfile.gettempdir(), f"overshoot-{os.getuid()}")
-        os.makedirs(fallback, exist_ok=True)
-        return fallback
-
-
-def find_c_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 def build_shim(out_dir: str | None = None) -> str:
     """Path of the compiled shim, compiling it if this source and platform have no build yet."""
-    compiler = find_c_compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc, gcc, clang or $CC) to build the CUPTI shim")
-    source = b"".join(path.read_bytes() for path in SHIM_SOURCES)
-    tag = hashlib.sha256(source + platform.machine().encode() + platform.system().encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    target = os.path.join(out_dir, f"libovs_cupti_shim_{tag}.so")
-    if os.path.exists(target):
-        return target
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        built = os.path.join(tmp, "shim.so")
-        done = subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-Wall", "-o", built,
-                               *map(str, SHIM_SOURCES), "-lpthread"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"the CUPTI shim did not compile: {done.stderr.strip()[:500]}")
-        os.replace(built, target)  # atomic: concurrent processes never load a half-written file
-    return target
+    return compile_cached(SHIM_SOURCES, stem="libovs_cupti_shim", libs=("-lpthread",), what="the CUPTI shim",
+                          out_dir=out_dir)
 
 
 _STAT_NAMES = ["requested", "completed", "allocated", "alloc_failed", "dropped_records",
