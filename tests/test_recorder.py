@@ -310,7 +310,7 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
         print(hotpath.describe())
     """)
     ran = {}
-    for mode in ("c", "python"):
+    for mode in ("c", "python"):  # each run says which path ran, in its process record too
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path / mode)], capture_output=True,
                               text=True, env={**os.environ, "OVERSHOOT_HOTPATH": mode}, timeout=120)
         assert done.returncode == 0, done.stderr
@@ -318,6 +318,8 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
     assert ran == {"c": "c", "python": "python"}
     c, python = load_run(tmp_path / "c"), load_run(tmp_path / "python")
     assert len(c.spans) > 100
+    assert c.processes[0]["options"]["hotpath"] == "c"
+    assert python.processes[0]["options"]["hotpath"] == "python (OVERSHOOT_HOTPATH=python)"
 
     def rows(frame: pd.DataFrame) -> pd.DataFrame:  # the process's identity differs, by design
         return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
