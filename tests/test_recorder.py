@@ -328,6 +328,33 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
     pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
 
 
+def test_without_a_compiler_the_python_hot_path_records_and_says_why(tmp_path):
+    """No C compiler on PATH and no cached build: the recorder still records, in Python, and its process
+    record says so and why; asking for C then fails at import with the reason."""
+    code = textwrap.dedent("""
+        import sys
+        from overshoot import Recorder
+        from overshoot.rundir.reader import load_run
+        rec = Recorder(sys.argv[1], engine="test")
+        rec.step_begin()
+        with rec.busy("schedule"):
+            pass
+        rec.close()
+        run = load_run(sys.argv[1])
+        print(len(run.steps), len(run.spans), run.processes[0]["options"]["hotpath"])
+    """)
+    env = {**os.environ, "PATH": str(tmp_path / "empty"), "OVERSHOOT_CACHE": str(tmp_path / "cache")}
+    env.pop("CC", None)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    why = "python (no C compiler (cc, gcc, clang or $CC) to build the recorder's C hot path)"
+    assert done.stdout.split(maxsplit=2) == ["1", "1", why + "\n"]
+    forced = subprocess.run([sys.executable, "-c", "from overshoot import Recorder"], capture_output=True,
+                            text=True, env={**env, "OVERSHOOT_HOTPATH": "c"}, cwd=REPO, timeout=120)
+    assert forced.returncode != 0 and "OVERSHOOT_HOTPATH=c: no C compiler" in forced.stderr
+
+
 def test_time_based_flush_makes_data_readable_while_recording(tmp_path):
     rec = Recorder(tmp_path, engine="test", flush_steps=10_000, flush_seconds=0.0)
     for _ in range(3):
