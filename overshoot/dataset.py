@@ -8,8 +8,8 @@ table folder as one table with `run` and `rank` columns.
 
 Each partition is written by `pyarrow.parquet.write_table` to a temporary name and renamed into place, not by
 `pyarrow.dataset.write_dataset`: that writer's thread pool can still be running when a short process such as
-`overshoot export` exits, which aborts it (SIGABRT, "terminate called without an active exception"; seen once
-in CI once, not in 40 runs here; apache/arrow#36980).
+`overshoot export` exits, which aborts it (SIGABRT, "terminate called without an active exception"; seen
+once in CI, not in 40 runs here; apache/arrow#36980).
 """
 
 from __future__ import annotations
