@@ -529,3 +529,86 @@ def test_a_failing_stream_lookup_turns_gpu_events_off_only(toy, tmp_path, capfd,
     assert len(err) == 1 and "GPU events of" in err[0] and "stream_renamed_upstream" in err[0]
     run = load_run(tmp_path / "run")
     assert len(run.steps) == 3 and (run.spans.label == "launch").sum() == 3
+
+
+def test_a_hooked_method_pickles_binds_and_weakrefs_as_a_function(toy, tmp_path, wrappers_in):
+    """Engines pickle functions by reference and keep weak references to bound methods (callbacks): a hooked
+    method must behave as the function it replaces, in C as in Python."""
+    import inspect
+    import pickle
+    import weakref
+
+    module = importlib.import_module(toy)
+    opened: list[Recorder] = []
+    install(toy_spec(toy), recorder_factory=recorder_in(tmp_path / "run", opened))
+    hooked = module.Engine.__dict__["schedule"]
+    assert pickle.loads(pickle.dumps(hooked)) is hooked
+    engine = module.Engine()
+    bound = weakref.WeakMethod(engine.schedule)
+    assert bound().__self__ is engine and bound()().num_seqs == 3
+    assert weakref.ref(hooked)() is hooked
+    assert hooked.__name__ == "schedule" and hooked.__qualname__ == "Engine.schedule"
+    assert inspect.signature(hooked) == inspect.signature(hooked.__wrapped__)
+    assert engine.schedule.__func__ is hooked and module.Engine.schedule is hooked
+    opened[0].close()
+
+
+def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_path):
+    """The C hot path under Python's debug allocator (`-X dev`): four engine threads, each with its own
+    recorder, engine exceptions every seventh step, the cyclic collector run often, a flush per 64 spans.
+    Every thread's steps and spans are recorded, nothing crashes, and the recorders close cleanly."""
+    code = textwrap.dedent(f"""
+        import gc, sys, threading
+        sys.path[:0] = [{str(REPO / "tests")!r}, {str(tmp_path)!r}]
+        import {toy} as m
+        from engine_hooks import install
+        from overshoot import Recorder
+        from test_hooks import toy_spec
+        from overshoot.record import hotpath
+        assert hotpath.native is not None, hotpath.describe()
+        opened = []
+        def factory(engine, info):
+            opened.append(Recorder(sys.argv[1], engine=engine, thread_tag=threading.current_thread().name,
+                                   span_capacity=64))
+            return opened[-1]
+        real_launch = m.Engine.launch
+        def flaky(self, batch):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls % 7 == 0:
+                raise ValueError("engine failure")
+            return real_launch(self, batch)
+        m.Engine.launch = flaky  # before install: the hooks wrap it
+        install(toy_spec("{toy}"), recorder_factory=factory)
+        def work(n):
+            engine = m.Engine()
+            for i in range(300):
+                try:
+                    engine.step()
+                except ValueError:
+                    pass
+                if i % 50 == 0:
+                    gc.collect()
+            engine.inbox.put("stop")
+            engine.wait_for_work()  # idle: ends the thread's last step
+        threads = [threading.Thread(target=work, args=(n,), name=f"engine-{{n}}") for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for rec in opened:
+            rec.close()
+        print(len(opened))
+    """)
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", code, str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, timeout=240)
+    from overshoot.record import hotpath
+
+    if hotpath.native is None:
+        pytest.skip(f"no C hot path here: {hotpath.describe()}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4"]
+    run = load_run(tmp_path / "run")
+    assert sorted(run.steps.groupby("thread").size().tolist()) == [300] * 4
+    busy = run.spans[run.spans.kind == "busy"].groupby("label").size().to_dict()
+    assert busy == {"launch": 4 * 300, "schedule": 4 * 300}  # a launch that raised still closed its span
+    assert (run.spans.kind == "wait").sum() == 4 * (300 - 300 // 7)  # its step awaited nothing

@@ -333,6 +333,7 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *dict;
+    PyObject *weakrefs;                  /* like a function: weakref-able (WeakMethod of a hooked method) */
     PyObject *func;
     PyObject *busy_label, *wait_label;   /* None: no such role */
     int step, idle;
@@ -372,7 +373,9 @@ static int begin_all(Hooked *h, PyObject *rec, int fast, PyObject *first, PyObje
     if (h->busy_label != Py_None && rec_begin(rec, fast, h->busy_label, 0) < 0) return -1;
     if (h->wait_label != Py_None && rec_begin(rec, fast, h->wait_label, 1) < 0) return -1;
     if (h->stream_of != Py_None) {
-        PyObject *found = PyObject_CallOneArg(h->stream_of, first);
+        PyObject *stream_of = Py_NewRef(h->stream_of);   /* the call may run code that turns it off */
+        PyObject *found = PyObject_CallOneArg(stream_of, first);
+        Py_DECREF(stream_of);
         if (found == NULL) {   /* a renamed engine field: GPU events off, the rest goes on */
             report(h->gpu_failed);
             Py_SETREF(h->stream_of, Py_NewRef(Py_None));
@@ -413,7 +416,9 @@ static void apply_facts(Hooked *h, PyObject *rec, PyObject *result, PyObject *co
     }
     call[0] = result;
     for (Py_ssize_t i = 0; i < total; i++) call[i + 1] = args[i];
-    PyObject *found = PyObject_Vectorcall(h->facts, call, nargs + 1, kwnames);
+    PyObject *facts = Py_NewRef(h->facts);   /* the call may run code that turns it off */
+    PyObject *found = PyObject_Vectorcall(facts, call, nargs + 1, kwnames);
+    Py_DECREF(facts);
     if (call != small) PyMem_Free(call);
     int ok = found != NULL;
     if (ok) {
@@ -512,6 +517,7 @@ static int Hooked_clear(Hooked *h) {
 
 static void Hooked_dealloc(Hooked *h) {
     PyObject_GC_UnTrack(h);
+    if (h->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)h);
     Hooked_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
@@ -525,6 +531,17 @@ static PyObject *Hooked_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(t
 static PyObject *Hooked_repr(Hooked *h) {
     return PyUnicode_FromFormat("<overshoot hook of %R>", h->func);
 }
+
+/* Pickled by reference, as the function it stands for is: its module and qualified name (copied from the
+   wrapped function by functools.update_wrapper) find this very object again. */
+static PyObject *Hooked_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyObject_GetAttrString(self, "__qualname__");
+}
+
+static PyMethodDef Hooked_methods[] = {
+    {"__reduce__", Hooked_reduce, METH_NOARGS, NULL},
+    {NULL}
+};
 
 static PyGetSetDef Hooked_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
@@ -545,6 +562,8 @@ static PyTypeObject HookedType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Hooked, vectorcall),
     .tp_dictoffset = offsetof(Hooked, dict),
+    .tp_weaklistoffset = offsetof(Hooked, weakrefs),
+    .tp_methods = Hooked_methods,
     .tp_descr_get = Hooked_get,
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
