@@ -67,9 +67,10 @@ class VirtualCollector:
 
 
 def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = None, budget: float = 1.0,
-         collector: VirtualCollector | None = None, facts_later: bool = False):
+         collector: VirtualCollector | None = None, facts_later: bool = False, wait_us: int = 0):
     """`facts_later`: each step begins without facts and gets them inside (as the engine hooks do: the
-    step's batch is known once `schedule` returns)."""
+    step's batch is known once `schedule` returns). `wait_us`: each step then waits this long for its
+    results, without the GIL, as an engine waits for the GPU (the drain thread gets the GIL there)."""
     rec = Recorder(tmp_path / mode, engine="virtual", gpu_timing=mode)
     collector = collector or VirtualCollector()
     rec._sampler = KernelSampler(rec, collector, mode=mode, window_steps=8, min_gap=32, budget=budget,
@@ -85,6 +86,9 @@ def _run(tmp_path, mode: str, steps: int = 200, switch_batch_at: int | None = No
         with rec.busy("launch"):
             for _ in range(KERNELS):
                 gpu_free = collector.launch(gpu_free)
+        if wait_us:
+            with rec.wait("gpu"):
+                time.sleep(wait_us / 1e6)
     rec.close()
     return collector, load_run(tmp_path / mode)
 
@@ -507,7 +511,9 @@ class CostlyParse(VirtualCollector):
 
 
 def test_the_drain_threads_cpu_time_for_a_window_counts_in_its_cost(tmp_path):
-    collector, run = _run(tmp_path, "sampled", steps=1500, budget=0.5, collector=CostlyParse())
+    # The steps wait 100 µs each without the GIL: a loop that never lets it go gives the drain thread its
+    # turn only every switch interval (5 ms), and its parse of a window may then come after the run ended.
+    collector, run = _run(tmp_path, "sampled", steps=1500, budget=0.5, collector=CostlyParse(), wait_us=100)
     gap_steps, plain_ns = _window_gaps(run)
     info = run.processes[0]["kernel_timing"]
     assert info["drain_cpu_ms"] >= 10 and info["drains"] >= 1
