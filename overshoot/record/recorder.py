@@ -1,8 +1,10 @@
 """The timer API: busy / wait / idle spans and step boundaries on one engine thread, spooled to a run dir.
 
 Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
-`time.perf_counter_ns()` once, and allocates nothing but the clock's int. `rec.busy("x")` returns a context
-manager cached per label, built to cost about what the begin/end pair costs (record/scopes.py).
+`time.perf_counter_ns()` once, and allocates nothing but the clock's int. The span calls are hot.c's
+SpanStack, this class's base, where it compiled (record/hotpath.py), else their Python twin (record/spans.py).
+`rec.busy("x")` returns a context manager cached per label, built to cost about what the begin/end pair
+costs (hot.c's Scope, else record/scopes.py).
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
 idle begin (at most every 10 ms, for engines that poll), on close, atexit and SIGTERM/SIGINT
 (record/lifecycle.py). A flush between steps is recorded as a busy span labelled

@@ -10,7 +10,8 @@ lookups), and `rec.busy` is the C-level `__getitem__` of the scope cache. Nothin
 
 The closures inline Recorder.busy_begin / wait_begin and the busy and wait cases of Recorder._end; anything
 unusual at exit (no open span, nesting deeper than the stack, an idle span innermost) goes to
-Recorder._end itself. tests/test_recorder.py checks that both forms record the same spans.
+Recorder._end itself. tests/test_recorder.py checks that both forms record the same spans. Where hot.c
+compiled, its Scope type is used instead (record/hotpath.py); these closures are the Python path.
 """
 
 from __future__ import annotations
