@@ -82,7 +82,8 @@ def toy(tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
-def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", extra=()) -> EngineSpec:
+def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", extra=(),
+             schedule_facts=lambda b, *a: {"batch_size": b.num_seqs}, launch_facts=None) -> EngineSpec:
     return EngineSpec(
         name=name,
         dist=dist,
@@ -90,8 +91,8 @@ def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", ext
         stream=lambda engine: None,
         targets=(
             HookTarget(module, "Engine.step", "step"),
-            HookTarget(module, "Engine.schedule", "busy", facts=lambda b, *a: {"batch_size": b.num_seqs}),
-            HookTarget(module, "Engine.launch", "busy"),
+            HookTarget(module, "Engine.schedule", "busy", facts=schedule_facts),
+            HookTarget(module, "Engine.launch", "busy", facts=launch_facts),
             HookTarget(module, "Engine.launch", "gpu"),
             HookTarget(module, "Engine.wait_for_results", "wait", label="gpu"),
             HookTarget(module, "Engine.wait_for_work", "idle"),
@@ -449,7 +450,11 @@ def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatc
         ticks = iter(range(10**9, 2 * 10**9, 1000))
         with fake_clock(monkeypatch, ticks.__next__):
             opened: list[Recorder] = []
-            install(toy_spec(toy), recorder_factory=recorder_in(tmp_path / impl, opened))
+            # Facts named and extra, None (ignored), and two calls a step whose extras merge.
+            spec = toy_spec(toy, schedule_facts=lambda b, *a: {"batch_size": b.num_seqs, "phase": None,
+                                                               "num_tokens": 2 * b.num_seqs, "drafts": 2},
+                            launch_facts=lambda r, *a: {"launched": r.num_seqs, "phase": "decode"})
+            install(spec, recorder_factory=recorder_in(tmp_path / impl, opened))
             kind = type(module.Engine.__dict__["schedule"]).__name__
             module.run(module.Engine(), steps=6)
             opened[0].close()
@@ -459,6 +464,8 @@ def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatc
     assert runs["python"][0] == "function" and runs["c"][0] == ("Hooked" if hotpath.native else "function")
     c, python = runs["c"][1], runs["python"][1]
     assert len(c.steps) == 6 and (c.steps["batch_size"] == 3).all() and len(c.spans) == 19
+    assert (c.steps["num_tokens"] == 6).all() and (c.steps["phase"] == "decode").all()
+    assert (c.steps["drafts"] == 2).all() and (c.steps["launched"] == 3).all()
 
     def rows(frame):
         return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
