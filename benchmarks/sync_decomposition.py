@@ -21,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOKENS, PROMPT = 16, 64
@@ -41,7 +39,7 @@ def main() -> int:
 
     import reference_engine.engine as engine_module
     from benchmarks.case_study_table import CONFIGS
-    from benchmarks.hook_overhead import HookedMode, timed_round
+    from benchmarks.hook_overhead import HookedMode, StepClock, timed_round
     from reference_engine.__main__ import build_parser, config_from_args
 
     flags = CONFIGS[args.config][1]
@@ -51,13 +49,7 @@ def main() -> int:
     engine = engine_module.Engine(config_from_args(serve))
     timed_round(engine, 1, TOKENS, PROMPT)
 
-    stamps: list[int] = []
-    step, launch = engine_module.Engine.step, engine_module.Engine.launch
-
-    def stamped_step(self):
-        stamps.append(time.perf_counter_ns())
-        return step(self)
-
+    launch = engine_module.Engine.launch
     pool = [torch.cuda.Event(enable_timing=True) for _ in range(512)]
     at = [0]
 
@@ -75,7 +67,7 @@ def main() -> int:
             pool[j].elapsed_time(pool[j + 1])
         return out
 
-    engine_module.Engine.step = stamped_step
+    clock = StepClock(engine_module.Engine)
     modes = [m for m in args.modes.split(",") if m]
     tmp = Path(tempfile.mkdtemp(prefix="overshoot-decomp-"))
     hooked = {mode: HookedMode(tmp / mode, mode) for mode in modes}
@@ -85,7 +77,6 @@ def main() -> int:
     start, rounds = time.time(), 0
     while time.time() - start < args.budget_s:
         for way in ways[rounds % len(ways):] + ways[:rounds % len(ways)]:
-            stamps.clear()
             if way in hooked:
                 times[way].append(hooked[way].round(engine, 1, TOKENS, PROMPT))
             else:
@@ -95,8 +86,9 @@ def main() -> int:
                     times[way].append(timed_round(engine, 1, TOKENS, PROMPT))
                 finally:
                     engine_module.Engine.launch = launch
-            steps[way].extend((np.diff(np.array(stamps)) / 1e3)[2:].tolist())  # decode steps after the first
+            steps[way].extend(clock.take())
         rounds += 1
+    clock.close()
     for mode in hooked.values():
         mode.close()
 
