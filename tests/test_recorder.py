@@ -330,7 +330,8 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
 
 def test_without_a_compiler_the_python_hot_path_records_and_says_why(tmp_path):
     """No C compiler on PATH and no cached build: the recorder still records, in Python, and its process
-    record says so and why; asking for C then fails at import with the reason."""
+    record says so and why; asking for C then fails at import with the reason. A build already in the
+    cache loads without a compiler."""
     code = textwrap.dedent("""
         import sys
         from overshoot import Recorder
@@ -353,6 +354,17 @@ def test_without_a_compiler_the_python_hot_path_records_and_says_why(tmp_path):
     forced = subprocess.run([sys.executable, "-c", "from overshoot import Recorder"], capture_output=True,
                             text=True, env={**env, "OVERSHOOT_HOTPATH": "c"}, cwd=REPO, timeout=120)
     assert forced.returncode != 0 and "OVERSHOOT_HOTPATH=c: no C compiler" in forced.stderr
+    from overshoot.record import cbuild
+
+    if cbuild.find_c_compiler() is None:
+        return
+    # A build already in the cache needs no compiler: built once with one, then loaded without.
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "built")], check=True, capture_output=True,
+                   env={**os.environ, "OVERSHOOT_CACHE": str(tmp_path / "cache")}, cwd=REPO, timeout=120)
+    cached = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cached")], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=120)
+    assert cached.returncode == 0, cached.stderr
+    assert cached.stdout.split() == ["1", "1", "c"]
 
 
 def test_time_based_flush_makes_data_readable_while_recording(tmp_path):

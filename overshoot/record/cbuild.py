@@ -37,17 +37,22 @@ def find_c_compiler() -> str | None:
 
 
 def compile_cached(sources: tuple[Path, ...], *, stem: str, suffix: str = ".so", flags: tuple[str, ...] = (),
-                   libs: tuple[str, ...] = (), what: str, out_dir: str | None = None) -> str:
-    """Path of the shared library built from `sources`, compiling it if this build has none yet.
-    Raises RuntimeError naming `what` when there is no compiler or the source does not compile."""
-    compiler = find_c_compiler()
-    if compiler is None:
-        raise RuntimeError(f"no C compiler (cc, gcc, clang or $CC) to build {what}")
+                   libs: tuple[str, ...] = (), needs: tuple[Path, ...] = (), what: str,
+                   out_dir: str | None = None) -> str:
+    """Path of the shared library built from `sources`, compiling it if this build has none yet (a build
+    found in the cache needs no compiler). Raises RuntimeError naming `what` when there is no compiler, a
+    file the build `needs` (a header) is missing, or the source does not compile."""
     key = b"".join(path.read_bytes() for path in sources)
     key += "\0".join((platform.machine(), platform.system(), suffix, *flags, *libs)).encode()
     target = os.path.join(out_dir or cache_dir(), f"{stem}_{hashlib.sha256(key).hexdigest()[:16]}{suffix}")
     if os.path.exists(target):
         return target
+    compiler = find_c_compiler()
+    if compiler is None:
+        raise RuntimeError(f"no C compiler (cc, gcc, clang or $CC) to build {what}")
+    for path in needs:
+        if not path.exists():
+            raise RuntimeError(f"no {path.name} in {path.parent} to build {what}")
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         built = os.path.join(tmp, "build" + suffix)
         done = subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-Wall", *flags, "-o", built,

@@ -23,11 +23,10 @@ SOURCE = Path(__file__).with_name("hot.c")
 
 def _load():
     include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        raise RuntimeError(f"no Python headers (Python.h) in {include}")
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     path = compile_cached((SOURCE,), stem="overshoot_hot", suffix=suffix, what="the recorder's C hot path",
-                          flags=(f"-I{include}", f"-DOVERSHOOT_PY={sys.hexversion}"))
+                          flags=(f"-I{include}", f"-DOVERSHOOT_PY={sys.hexversion}"),
+                          needs=(Path(include, "Python.h"),))
     spec = importlib.util.spec_from_file_location("overshoot.record._hot", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
