@@ -606,12 +606,12 @@ def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_p
             rec.close()
         print(len(opened))
     """)
-    done = subprocess.run([sys.executable, "-X", "dev", "-c", code, str(tmp_path / "run")],
-                          capture_output=True, text=True, cwd=REPO, timeout=240)
     from overshoot.record import hotpath
 
     if hotpath.native is None:
         pytest.skip(f"no C hot path here: {hotpath.describe()}")
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", code, str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["4"]
     run = load_run(tmp_path / "run")
