@@ -208,7 +208,7 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
                 rec.busy_begin(busy_label)
             if wait_label is not None:
                 rec.wait_begin(wait_label)
-            if stream_of is not None:
+            if stream_of is not None and rec._ring is not False:  # False: GPU timing off or no CUDA
                 stream = _stream(stream_of, args)
                 if stream is not None:
                     rec.gpu_begin(stream)

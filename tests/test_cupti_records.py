@@ -142,6 +142,27 @@ def test_unavailable_reason_without_cuda_is_one_line():
     assert ("torch" in sys.modules) == had_torch  # answering must not import torch
 
 
+def test_unavailable_reason_needs_a_shim_build_not_a_compiler(tmp_path, monkeypatch):
+    """With CUDA and libcupti present, kernel timing is refused only when the shim can be neither found in
+    the cache nor compiled: a machine that built it once needs no compiler any more."""
+    from overshoot.record.cupti import unavailable_reason
+
+    monkeypatch.setattr(native, "find_libcupti", lambda: "libcupti.so.13")  # the GPU machine's answer
+    monkeypatch.setenv("OVERSHOOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    assert unavailable_reason(cuda=True) == "no C compiler (cc, gcc, clang or $CC) to build the CUPTI shim"
+    monkeypatch.undo()
+    if native.find_c_compiler() is None:
+        return
+    monkeypatch.setenv("OVERSHOOT_CACHE", str(tmp_path / "cache"))
+    native.build_shim()  # built once, with a compiler
+    monkeypatch.setattr(native, "find_libcupti", lambda: "libcupti.so.13")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    assert unavailable_reason(cuda=True) is None
+
+
 def test_a_zeroed_tail_ends_the_walk_and_an_empty_buffer_parses_to_empty_columns():
     offsets, kinds = records.walk(api(1, 2, 3) + bytes(512), CUPTI_13_0.sizes)
     assert offsets.tolist() == [0] and kinds.tolist() == [KIND_RUNTIME]

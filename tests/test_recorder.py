@@ -232,12 +232,12 @@ def _play(rec, ops, use_with: bool) -> None:
 @contextlib.contextmanager
 def fake_clock(monkeypatch, clock):
     """Every clock the recorder reads, the C hot path's included, is `clock` inside the block."""
+    import overshoot.record.core
     import overshoot.record.recorder
     import overshoot.record.scopes
-    import overshoot.record.spans
     from overshoot.record import hotpath
 
-    for module in (overshoot.record.recorder, overshoot.record.scopes, overshoot.record.spans):
+    for module in (overshoot.record.recorder, overshoot.record.scopes, overshoot.record.core):
         monkeypatch.setattr(module, "perf_counter_ns", clock)  # scopes bind it when created
     if hotpath.native is not None:
         hotpath.native.set_clock(clock)
@@ -287,10 +287,66 @@ def test_with_scopes_record_exactly_what_begin_end_records(tmp_path, monkeypatch
     pd.testing.assert_frame_equal(scoped.steps, paired.steps)
 
 
+class Ticks:
+    """A fake clock: each read advances it 1 µs; `jump` stands for time the thread spent (a wait, idle)."""
+
+    def __init__(self):
+        self.now = 10**9
+
+    def __call__(self) -> int:
+        self.now += 1000
+        return self.now
+
+    def jump(self, ns: int) -> None:
+        self.now += ns
+
+
+def _step_script(rec, ticks: Ticks) -> None:
+    """Steps through every branch of the recorder's core: facts positional, by keyword, extra and merged;
+    CUDA events (on host-clock events: the real ring's bookkeeping) on a stream and on the current one,
+    re-recorded ends, detached pairs outside steps; host-clock GPU intervals; long waits (the next wait
+    resolves events or flushes); flushes due by count, by fill and by time; step_end and idle between."""
+    rec._ring = _host_ring(size=8)  # fewer slots than steps between flushes: the oldest are dropped
+    for i in range(90):
+        if i % 7 == 0:
+            rec.step_begin(i % 3, 2 * i, "decode")
+        else:
+            extra = {"lora": i % 2} if i % 3 else {}
+            rec.step_begin(batch_size=i % 5 or None, phase="prefill" if i % 4 else None, **extra)
+        rec.step_facts(num_tokens=i, accepted=str(i))
+        if i % 2:
+            rec.step_facts(batch_size=7, more=i)
+        rec.busy_begin("launch")
+        stream = None if i % 4 == 0 else "stream"
+        rec.gpu_begin(stream)
+        rec.gpu_begin(stream)  # the first call of a step counts
+        rec.gpu_end(stream)
+        if i % 5 == 0:
+            rec.gpu_end(stream)  # the last end counts
+        rec.busy_end()
+        if i % 11 == 0:
+            rec.gpu_span(ticks.now, ticks.now + 500)
+        rec.wait_begin("gpu")
+        # >= WORK_IN_WAIT_NS: the next wait gets the work; steps 40-69 are CPU-bound: flushes between steps
+        ticks.jump(300_000 if i % 3 and not 40 <= i < 70 else 20_000)
+        rec.wait_end()
+        if i % 13 == 0:
+            rec.step_end()
+            rec.step_facts(batch_size=99)  # outside a step: no-op
+        if i % 17 == 0:
+            rec.idle_begin()
+            ticks.jump(50_000)
+            rec.idle_end()
+            rec.gpu_begin("stream")  # no step open: a detached pair, committed at its end
+            rec.gpu_end("stream")
+    rec.step_begin(batch_size=1, phase="decode")
+    rec.busy_begin("left-open")  # closed by close()
+
+
 @pytest.mark.parametrize("use_with", [True, False], ids=["with", "begin-end"])
 def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
-    """hot.c and record/spans.py + scopes.py are one contract in two languages: the same script on the same
-    clock readings writes identical spans and steps through either."""
+    """hot.c and record/core.py + scopes.py are one contract in two languages: the same scripts on the same
+    clock readings write identical spans, steps and GPU intervals through either."""
     from overshoot.record import cbuild
 
     if cbuild.find_c_compiler() is None:
@@ -304,28 +360,46 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
         from overshoot.record import hotpath
         ticks = iter(range(10**9, 2 * 10**9, 1000))
         with t.fake_clock(pytest.MonkeyPatch(), ticks.__next__):
-            rec = Recorder(sys.argv[1], engine="test", span_capacity=8)
+            rec = Recorder(sys.argv[1] + "/spans", engine="test", span_capacity=8)
             t._play(rec, t._span_script(), {use_with})
             rec.close()
-        print(hotpath.describe())
+        ticks = t.Ticks()
+        patch = pytest.MonkeyPatch()
+        patch.setattr(t, "perf_counter_ns", ticks)  # the host-clock events' clock
+        with t.fake_clock(patch, ticks):
+            rec = Recorder(sys.argv[1] + "/steps", engine="test", flush_steps=16, flush_seconds=0.004,
+                           span_capacity=64)
+            t._step_script(rec, ticks)
+            rec.close()
+        print(rec._ring.dropped, hotpath.describe())
     """)
     ran = {}
     for mode in ("c", "python"):  # each run says which path ran, in its process record too
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path / mode)], capture_output=True,
                               text=True, env={**os.environ, "OVERSHOOT_HOTPATH": mode}, timeout=120)
         assert done.returncode == 0, done.stderr
-        ran[mode] = done.stdout.split()[0]
-    assert ran == {"c": "c", "python": "python"}
-    c, python = load_run(tmp_path / "c"), load_run(tmp_path / "python")
-    assert len(c.spans) > 100
-    assert c.processes[0]["options"]["hotpath"] == "c"
-    assert python.processes[0]["options"]["hotpath"] == "python (OVERSHOOT_HOTPATH=python)"
-
+        ran[mode] = done.stdout.split()
+    assert [ran["c"][1], ran["python"][1]] == ["c", "python"]
     def rows(frame: pd.DataFrame) -> pd.DataFrame:  # the process's identity differs, by design
         return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
 
-    pd.testing.assert_frame_equal(rows(c.spans), rows(python.spans))
-    pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
+    for script in ("spans", "steps"):
+        c, python = load_run(tmp_path / "c" / script), load_run(tmp_path / "python" / script)
+        assert len(c.spans) > 100
+        assert c.processes[0]["options"]["hotpath"] == "c"
+        assert python.processes[0]["options"]["hotpath"] == "python (OVERSHOOT_HOTPATH=python)"
+        pd.testing.assert_frame_equal(rows(c.spans), rows(python.spans))
+        pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
+        pd.testing.assert_frame_equal(rows(c.gpu), rows(python.gpu))
+    # The step script reached what it was written for.
+    steps, gpu = c.steps, c.gpu
+    assert len(steps) == 91 and steps["batch_size"].eq(7).sum() == 45
+    in_waits = _flushes_inside_waits(c)
+    assert any(in_waits) and not all(in_waits), "flushes both inside waits and between steps"
+    dropped = int(ran["c"][0])
+    assert dropped > 0 and ran["python"][0] == ran["c"][0]
+    assert len(gpu) + dropped == 90 + 6 + 9  # a CUDA slot a step and a detached pair, gpu_span in 9 steps
+    assert (gpu["step"] == -1).sum() >= 5
 
 
 def test_without_a_compiler_the_python_hot_path_records_and_says_why(tmp_path):

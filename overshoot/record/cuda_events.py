@@ -70,6 +70,8 @@ class CudaEventRing:
 
     # ---- hot path (called by the recorder) ----
 
+    # record/hot.c does acquire and commit on these attributes itself (no Python frame a step): keep alike.
+
     def acquire(self) -> int:
         """The slot for the current step. When all slots are unresolved the oldest is dropped (never wait)."""
         if self.write_head - self.resolve_head >= self.size:

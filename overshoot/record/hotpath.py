@@ -1,6 +1,6 @@
 """The recorder's hot path: hot.c compiled on first use, or the same code in Python where it cannot be.
 
-`native` is the compiled module (None: the Python span stack of record/spans.py and the Python wrappers of
+`native` is the compiled module (None: the Python core of record/core.py and the Python wrappers of
 engine_hooks run instead, recording the same rows); `describe()` says which ran and why, and goes into
 each recorder's options in meta.json. Env `OVERSHOOT_HOTPATH`: `auto` (default: C where a compiler and the
 Python headers are), `python` (never build; benchmarks/recorder_overhead.py compares the two), `c` (fail

@@ -1,8 +1,9 @@
 """The timer API: busy / wait / idle spans and step boundaries on one engine thread, spooled to a run dir.
 
 Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
-`time.perf_counter_ns()` once, and allocates nothing but the clock's int. The span calls are hot.c's
-SpanStack, this class's base, where it compiled (record/hotpath.py), else their Python twin (record/spans.py).
+`time.perf_counter_ns()` once, and allocates nothing but the clock's int. The calls made once or more a step
+(spans, step boundaries, step facts, the CUDA event calls) are hot.c's RecorderCore, this class's base, where
+it compiled (record/hotpath.py), else their Python twin (record/core.py).
 `rec.busy("x")` returns a context manager cached per label, built to cost about what the begin/end pair
 costs (hot.c's Scope, else record/scopes.py).
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
@@ -37,6 +38,13 @@ from pathlib import Path
 from time import perf_counter_ns
 
 from overshoot.record import hotpath, lifecycle
+from overshoot.record.core import (
+    FLUSH,
+    FLUSH_IN_WAIT_MARGIN,
+    RESOLVE,
+    WORK_IN_WAIT_NS,
+    PyRecorderCore,
+)
 from overshoot.record.nvtx import make_ranges
 from overshoot.record.scopes import (
     BUSY,
@@ -49,31 +57,22 @@ from overshoot.record.scopes import (
     StepScope,
     fast_scope,
 )
-from overshoot.record.spans import PySpanStack
 from overshoot.record.writer import RecorderIO
 
-# busy_begin / wait_begin / _end and the state they keep: hot.c's SpanStack where it compiled, else spans.py.
-SpanStack = hotpath.native.SpanStack if hotpath.native is not None else PySpanStack
+# The per-call core and the state it keeps: hot.c's RecorderCore where it compiled, else record/core.py.
+RecorderCore = hotpath.native.RecorderCore if hotpath.native is not None else PyRecorderCore
 
 FLUSH_LABEL = "overshoot:flush"
-# A step that waited this long on the GPU marks a GPU-bound stretch: the next wait does the recorder's own
-# work (a due flush when it fits in the last wait with FLUSH_IN_WAIT_MARGIN to spare, else resolving
-# finished steps' CUDA events) while the thread waits anyway, instead of between steps, where it delays the
-# next launch.
-# A flush that outlasts the wait delays the step by the difference only; one between steps, by all of it.
-WORK_IN_WAIT_NS = 200_000
-FLUSH_IN_WAIT_MARGIN = 1.25
 # Buffers filled this far make a flush due where it fits inside a wait; only full buffers (or the flush
 # interval) force one between steps. A synchronous GPU-bound engine waits every step: its flushes all fit.
 SOFT_FILL = 0.75
 RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wait
-RESOLVE, FLUSH = 1, 2  # values of `_wait_work`: what the next wait does (0: nothing)
 # events: two CUDA events a step (the GPU interval); kernels: every kernel and copy (CUPTI); sampled: kernels
 # in windows of steps, spaced to keep the collector's cost within budget; off: no GPU timing.
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
 
 
-class Recorder(SpanStack):
+class Recorder(RecorderCore):
     """Per-thread step timer, writing to RUN/spool/. See the module docstring and docs/contracts.md §1.
 
     Options (keyword-only): `engine` (name in meta.json), `flush_steps` / `flush_seconds` (chunk size, checked
@@ -90,14 +89,10 @@ class Recorder(SpanStack):
     # Slots, not an instance dict: with this many attributes CPython 3.11 stops sharing dict keys and every
     # attribute access on the hot path gets ~20% slower.
     __slots__ = (
-        "run_dir", "engine", "flush_steps", "tag", "steps_recorded", "__weakref__", "_flush_interval_ns",
-        "_idle_flush_ns", "_owner", "_nvtx", "_nvtx_step", "_io", "_steps_cap", "_s_step", "_s_start",
-        "_s_end", "_s_wait", "_s_batch", "_s_tokens", "_s_phase", "_s_facts", "_n_steps", "_soft_steps",
-        "_soft_spans", "_g_step", "_g_start", "_g_end", "_n_gpu", "_w_steps", "_w_spans", "_w_gpu",
-        "_next_step", "_step_start", "_flush_ns", "_batch", "_tokens", "_phase", "_facts", "_gpu_t0",
-        "_gpu_t1", "_gpu_slot", "_gpu_ended", "_gpu_detached", "_ring", "_ring_rows", "_flush_lock",
-        "_flushing_ident", "_last_flush_ns", "_paused_at", "_closed", "_k_lock", "_kw_lock", "_k_batches",
-        "_k_rows", "_k_windows", "_sampler", "gpu_timing", "busy", "_wait_scopes", "_idle_scope",
+        "run_dir", "engine", "flush_steps", "tag", "__weakref__", "_idle_flush_ns", "_owner", "_io",
+        "_w_steps", "_w_spans", "_w_gpu", "_ring_rows", "_flush_lock", "_flushing_ident", "_paused_at",
+        "_closed", "_k_lock", "_kw_lock", "_k_batches", "_k_rows", "_k_windows", "gpu_timing", "busy",
+        "_wait_scopes", "_idle_scope",
     )
 
     def __init__(
@@ -206,36 +201,6 @@ class Recorder(SpanStack):
 
     # ---- steps ----
 
-    def step_begin(self, batch_size: int | None = None, num_tokens: int | None = None,
-                   phase: str | None = None, **facts) -> None:
-        t = perf_counter_ns()
-        if self._step >= 0 or self._depth:
-            t = self._boundary(t)
-        step = self._step = self._next_step
-        self._next_step = step + 1
-        if self._sampler is not None:  # kernel timing windows open and close at step boundaries
-            t = self._sampler.at_step(t, batch_size, phase, ended=(self._phase, self._batch))
-        self._step_start = t
-        self._step_wait = 0
-        self._batch, self._tokens, self._phase = batch_size, num_tokens, phase
-        self._facts = facts or None
-        if self._nvtx is not None:
-            self._nvtx_step = self._nvtx.start_step(step)
-
-    def step_facts(self, batch_size: int | None = None, num_tokens: int | None = None,
-                   phase: str | None = None, **facts) -> None:
-        """Set or override facts of the open step (no-op outside a step)."""
-        if self._step < 0:
-            return
-        if batch_size is not None:
-            self._batch = batch_size
-        if num_tokens is not None:
-            self._tokens = num_tokens
-        if phase is not None:
-            self._phase = phase
-        if facts:
-            self._facts = {**self._facts, **facts} if self._facts else facts
-
     def process_facts(self, **facts) -> None:
         """Facts of the whole process (a worker's rank and parallel layout), stored in its process record
         (`spool/{pid}-{tag}.json`). Not for the hot path: it writes that file."""
@@ -248,52 +213,6 @@ class Recorder(SpanStack):
     def step(self, **facts) -> StepScope:
         """`with rec.step(batch_size=1, phase="decode"): ...` = step_begin(...) + step_end()."""
         return StepScope(self, facts)
-
-    def _boundary(self, t: int) -> int:
-        """End the open step at `t` (splitting open spans there); maybe flush. Returns the time the next
-        step may start: after the flush, so that flush cost is never counted as a step's busy time."""
-        old = self._step
-        if self._wait_depth:
-            if old >= 0:
-                self._step_wait += t - self._wait_start
-            self._wait_start = t
-        if self._depth:
-            self._split_open_spans(old, t)
-        if old < 0:
-            return t
-        n = self._n_steps
-        self._s_step[n], self._s_start[n], self._s_end[n] = old, self._step_start, t
-        self._s_wait[n] = waited = self._step_wait
-        self._s_batch[n], self._s_tokens[n], self._s_phase[n] = self._batch, self._tokens, self._phase
-        self._s_facts[n] = self._facts
-        if self._gpu_t0 >= 0:
-            g = self._n_gpu
-            self._g_step[g], self._g_start[g], self._g_end[g] = old, self._gpu_t0, self._gpu_t1
-            self._n_gpu = g + 1
-            self._gpu_t0 = self._gpu_t1 = -1
-        if self._gpu_slot >= 0:
-            if self._gpu_ended:
-                self._ring.commit(self._gpu_slot, old)
-            self._gpu_slot = -1
-            self._gpu_ended = self._gpu_detached = False
-        self._n_steps = n + 1
-        self._step = -1
-        self.steps_recorded += 1
-        if self._nvtx is not None:
-            self._nvtx.end_step(self._nvtx_step)
-        long_wait = waited >= WORK_IN_WAIT_NS
-        full = n + 1 >= self._steps_cap  # (a full span buffer flushes itself, in _end)
-        timed_out = t - self._last_flush_ns >= self._flush_interval_ns
-        if full or timed_out or n + 1 >= self._soft_steps or self._n_spans >= self._soft_spans:
-            if not full and long_wait and waited >= FLUSH_IN_WAIT_MARGIN * self._flush_ns:
-                self._wait_work = FLUSH
-                return t
-            if full or timed_out:
-                self._wait_work = 0
-                return self._flush_between_steps(t)
-            # Filled past SOFT_FILL only: keep going until a wait fits the flush or the buffers fill up.
-        self._wait_work = RESOLVE if long_wait and self._ring else 0
-        return t
 
     def _split_open_spans(self, old: int, t: int) -> None:
         """Spans still open at a boundary: the part before `t` is recorded for step `old` (-1: none)."""
@@ -405,47 +324,6 @@ class Recorder(SpanStack):
             self._paused_at = 0
         if self._sampler is not None:
             self._sampler.resume()
-
-    def gpu_begin(self, stream) -> None:
-        """Record the step's GPU-start CUDA event on `stream` (first call per step only).
-
-        In a thread that runs no steps (a model worker process of a multiprocess executor), each
-        gpu_begin .. gpu_end pair is its own interval, recorded at step -1 ("detached"); the analyzer gives
-        it to the step of the run's stepping thread during which its GPU work started. There each pair also
-        counts as a step for kernel timing's windows (the worker launches the kernels)."""
-        if self._gpu_slot >= 0:
-            return
-        ring = self._ring
-        if not ring:
-            if ring is False or not self._init_gpu():
-                return
-            ring = self._ring
-        if self._step < 0 and self._sampler is not None:
-            self._sampler.at_step(perf_counter_ns(), None, None)
-        slot = ring.acquire()
-        if stream is None:
-            ring.begin_events[slot].record()  # the current stream (a ~4 µs lookup): pass the stream
-        else:
-            ring.record(ring.begin_events[slot], stream)
-        self._gpu_slot = slot
-        self._gpu_detached = self._step < 0
-
-    def gpu_end(self, stream) -> None:
-        """(Re-)record the step's GPU-end CUDA event on `stream`: the last call of the step wins."""
-        slot = self._gpu_slot
-        if slot >= 0:
-            ring = self._ring
-            if stream is None:
-                ring.end_events[slot].record()
-            else:
-                ring.record(ring.end_events[slot], stream)
-            self._gpu_ended = True
-            if self._gpu_detached:  # no step will end it: commit now
-                self._gpu_slot = -1
-                self._gpu_ended = self._gpu_detached = False
-                ring.commit(slot, -1)
-                if ring.write_head - ring.resolve_head >= ring.size // 2:
-                    self._flush_detached()
 
     def gpu_span(self, start_ns: int, end_ns: int) -> None:
         """GPU work whose times are known on the host clock (first start .. last end of the open step; in a
@@ -689,8 +567,10 @@ class _NvtxRecorder(Recorder):
     idle_end = _end
 
 
-if hotpath.native is not None:  # C calls the span methods of exactly this class directly, and these kinds
-    hotpath.native.configure(busy=BUSY, wait=WAIT, idle=IDLE, max_depth=MAX_DEPTH, recorder=Recorder)
+if hotpath.native is not None:  # C calls the core of exactly this class directly, with these constants
+    hotpath.native.configure(busy=BUSY, wait=WAIT, idle=IDLE, max_depth=MAX_DEPTH, recorder=Recorder,
+                             work_in_wait_ns=WORK_IN_WAIT_NS, flush_margin=FLUSH_IN_WAIT_MARGIN,
+                             resolve=RESOLVE, flush=FLUSH)
 
 # Kept importable from here (hook bootstraps and tests call it as recorder.install_signal_handlers).
 install_signal_handlers = lifecycle.install_signal_handlers

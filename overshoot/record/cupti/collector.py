@@ -53,8 +53,10 @@ def unavailable_reason(*, cuda: bool) -> str | None:
     if not native.find_libcupti():
         return ("libcupti not found: install nvidia-cuda-cupti (CUDA 13; nvidia-cuda-cupti-cu12 for CUDA "
                 "12), e.g. pip install 'overshoot[cupti]'")
-    if native.find_c_compiler() is None:
-        return "no C compiler (cc) to build the CUPTI shim"
+    try:
+        native.build_shim()  # once per machine and source; a build in the cache needs no compiler
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
     return None
 
 
