@@ -208,7 +208,8 @@ def _general_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory)
                 rec.busy_begin(busy_label)
             if wait_label is not None:
                 rec.wait_begin(wait_label)
-            if stream_of is not None and rec._ring is not False:  # False: GPU timing off or no CUDA
+            # A ring of False: GPU timing off or no CUDA, no stream to look up (as in the C wrapper).
+            if stream_of is not None and getattr(rec, "_ring", None) is not False:
                 stream = _stream(stream_of, args)
                 if stream is not None:
                     rec.gpu_begin(stream)

@@ -220,7 +220,8 @@ cols = collector.collect(final=True)
 assert cols["correlation"].tolist() == ids, (cols["correlation"], ids)
 assert cols["name"].to_pylist() == ["gemm_kernel"] * 2
 start, end = cols["launch_start_ns"], cols["launch_end_ns"]
-assert all(t0 <= s <= e <= t1 for s, e in zip(start, end)), (t0, start, end, t1)
+late = 500 if os.environ["OVERSHOOT_CUPTI_CALLS"] == "activity" else 0  # the stand-in's API records end
+assert all(t0 <= s <= e <= t1 + late for s, e in zip(start, end)), (t0, start, end, t1)  # 500 ns late
 assert (cols["gpu_start_ns"] > end).all()
 info = collector.describe()
 assert collector.prepare_ns > 0 and collector.setup_ns == 0 and info["clock"] == "CLOCK_MONOTONIC callback"

@@ -341,9 +341,14 @@ def test_a_forked_child_does_not_duplicate_the_parents_rows(tmp_path):
 
 def test_several_processes_write_one_run_dir(tmp_path):
     procs = [start_child(tmp_path, "atexit") for _ in range(3)]
+    errs = {}
     for proc in procs:
-        code, _, err = finish(proc)
-        assert code == 0, err
-    steps = load_run(tmp_path / "run").steps
-    assert steps["pid"].nunique() == 3 and len(steps) == 36
+        code, _, errs[proc.pid] = finish(proc)
+        assert code == 0, errs[proc.pid]
+    run = load_run(tmp_path / "run")
+    steps = run.steps
+    # (failed once in a clean-clone CI run with one child's rows missing; not reproduced in 27 runs since:
+    # what each child said, and the spool, tell the cause if it comes back)
+    spool = sorted(p.name for p in (tmp_path / "run" / "spool").iterdir())
+    assert steps["pid"].nunique() == 3 and len(steps) == 36, (errs, spool, run.warnings)
     assert read_meta(tmp_path / "run")["engine"] == "child"
