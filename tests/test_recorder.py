@@ -730,7 +730,8 @@ def _host_ring(size: int = 64):
     ring.end_events = [_HostEvent() for _ in range(size)]
     ring.slot_step = [0] * size
     ring.record = lambda event, stream: event.record(stream)
-    ring.reanchor_ns, ring.max_drift_us, ring.anchors, ring.gpu_name = 10**12, 0.0, 1, "host clock"
+    # never re-anchored: the anchor may be on a fake clock, far from the real one that decides re-anchoring
+    ring.reanchor_ns, ring.max_drift_us, ring.anchors, ring.gpu_name = 2**62, 0.0, 1, "host clock"
     ring._anchor = _HostEvent()
     ring._anchor.record()
     ring._anchor_host_ns = ring._last_anchor_ns = ring._anchor.t

@@ -170,9 +170,16 @@ class KernelSampler:
             if self._closing_steps < self.close_steps and not self._fence_done():
                 return t
             return self._switch_off(t)
-        if self._last_t:
-            self._count_step(t - self._last_t, key)
-        self._last_t = t
+        last, self._last_t = self._last_t, t
+        if last:
+            if self._on or self._after_left > 0:
+                self._count_step(t - last, key)
+            else:  # a plain step, the common case: inline (each Python call costs µs inside a real step)
+                self._plain.append(t - last)
+                same = self._plain_of.get(key)
+                if same is None:
+                    same = self._plain_of[key] = deque(maxlen=self.window_steps)
+                same.append(t - last)
         if self._on:
             self._steps_in_window += 1
             # The first window opens as soon as the collector is ready, usually in the engine's warm-up: the
@@ -183,33 +190,29 @@ class KernelSampler:
                 return t
             return self._close_window(t)
         self._steps_since += 1
-        due = self._steps_since >= self._gap or (
-            self._steps_since >= self.min_gap and self._coming(key, phase, batch_size) not in self._seen)
-        if (self.windows == 0 or due) and self._prepared.is_set():
+        if self.windows and self._steps_since < self._gap:  # (the first window opens once it can)
+            if self._steps_since < self.min_gap:
+                return t
+            # Due early when the starting step's group had no window yet. Its facts may be unknown still
+            # (the hooks give them inside the step): then the step before's group, which a served engine
+            # changes seldom from one step to the next.
+            coming = (phase, batch_size) if phase is not None or batch_size is not None else key
+            if coming in self._seen:
+                return t
+        if self._prepared.is_set():
             self._steps_in_window = 1
             return self._open_window(t)
         return t
 
-    @staticmethod
-    def _coming(ended: tuple, phase: str | None, batch_size: int | None) -> tuple:
-        """The starting step's group; with its facts still unknown (the hooks give them inside the step), the
-        step before's: a served engine's groups change seldom from one step to the next."""
-        return (phase, batch_size) if phase is not None or batch_size is not None else ended
-
     def _count_step(self, duration: int, key: tuple) -> None:
+        """A step inside a window, or just after one; plain steps are counted in at_step."""
         if self._on:
             self._inside.append((duration, key))
-        elif self._after_left > 0:  # just after a window: its records are being parsed, a cost of it
+        else:  # just after a window: its records are being parsed, a cost of it
             self._after.append((duration, key))
             self._after_left -= 1
             if self._after_left == 0:
                 self._gap = self._next_gap()
-        else:
-            self._plain.append(duration)
-            same = self._plain_of.get(key)
-            if same is None:
-                same = self._plain_of[key] = deque(maxlen=self.window_steps)
-            same.append(duration)
 
     def state(self) -> str:
         """"ready" (a window can open at the next step boundary), "setting up" (the drain thread is setting
