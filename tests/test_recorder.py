@@ -159,6 +159,23 @@ def test_extra_facts_become_columns_and_a_new_fact_starts_a_segment(tmp_path):
     assert run.warnings == []
 
 
+def test_a_fact_that_changes_type_between_flushes_is_read_as_text(tmp_path):
+    """A fact given as a number in one flush and as text or a flag in another: the run stays readable,
+    every step kept, the fact's values as text; a number that becomes a float widens."""
+    values = [3, 4, "draft", True, None, 5, False]
+
+    def body(rec):
+        for i, value in enumerate(values):
+            rec.step_begin(batch_size=1, phase="decode", mode=value, ratio=i if i < 3 else i / 2)
+            rec.flush()  # each value in its own chunk
+
+    run = record(tmp_path, body, flush_steps=2)
+    assert len(run.steps) == 7 and run.warnings == []
+    assert run.steps["mode"].tolist()[:4] == ["3", "4", "draft", "True"]
+    assert pd.isna(run.steps["mode"].iloc[4]) and run.steps["mode"].tolist()[5:] == ["5", "False"]
+    assert run.steps["ratio"].tolist() == [0, 1, 2, 1.5, 2, 2.5, 3]
+
+
 def test_gpu_span_keeps_first_start_and_last_end(tmp_path):
     def body(rec):
         rec.gpu_span(1, 2)  # outside a step: a detached interval (step -1), see test_analyze
@@ -343,6 +360,53 @@ def _step_script(rec, ticks: Ticks) -> None:
     rec.busy_begin("left-open")  # closed by close()
 
 
+def _random_ops(seed: int, n: int = 600) -> list[tuple]:
+    """A seeded random sequence of the recorder's calls, valid or misused (unmatched ends, idle inside spans,
+    GPU calls outside steps, facts outside steps), with time passing between them."""
+    import random
+
+    rnd = random.Random(seed)
+    values = [None, 0, 3, 17, "decode", "prefill", True, 2.5]
+
+    def facts(positional: int) -> tuple[tuple, dict]:
+        args = tuple(rnd.choice(values) for _ in range(positional))
+        names = ["batch_size", "num_tokens", "phase"][positional:] + ["lora", "accepted_tokens", "spec"]
+        kwargs = {name: rnd.choice(values) for name in rnd.sample(names, rnd.randint(0, 3))}
+        return args, kwargs
+
+    ops: list[tuple] = []
+    for _ in range(n):
+        roll = rnd.random()
+        if roll < 0.12:
+            ops.append(("step_begin", *facts(rnd.randint(0, 3))))
+        elif roll < 0.2:
+            ops.append(("step_facts", *facts(rnd.randint(0, 2))))
+        elif roll < 0.45:
+            ops.append((rnd.choice(["busy_begin", "wait_begin"]), (rnd.choice(["a", "b", "gpu"]),), {}))
+        elif roll < 0.65:
+            ops.append((rnd.choice(["busy_end", "wait_end", "_end"]), (), {}))
+        elif roll < 0.75:
+            ops.append((rnd.choice(["gpu_begin", "gpu_end"]), (rnd.choice([None, "stream"]),), {}))
+        elif roll < 0.8:
+            ops.append((rnd.choice(["idle_begin", "idle_end", "step_end", "flush"]), (), {}))
+        elif roll < 0.83:
+            ops.append(("gpu_span", (rnd.randint(0, 5000), rnd.randint(0, 5000)), {}))
+        else:
+            ops.append(("jump", (rnd.choice([1_000, 50_000, 250_000, 3_000_000]),), {}))
+    return ops
+
+
+def _play_random(rec, ticks: Ticks, ops: list[tuple]) -> None:
+    rec._ring = _host_ring(size=16)
+    for name, args, kwargs in ops:
+        if name == "jump":
+            ticks.jump(*args)
+        elif name == "gpu_span":
+            rec.gpu_span(ticks.now + args[0], ticks.now + args[0] + args[1])
+        else:
+            getattr(rec, name)(*args, **kwargs)
+
+
 @pytest.mark.parametrize("use_with", [True, False], ids=["with", "begin-end"])
 def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
     """hot.c and record/core.py + scopes.py are one contract in two languages: the same scripts on the same
@@ -371,7 +435,13 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
                            span_capacity=64)
             t._step_script(rec, ticks)
             rec.close()
-        print(rec._ring.dropped, hotpath.describe())
+            dropped = rec._ring.dropped
+            for seed in range(6):
+                rec = Recorder(sys.argv[1] + f"/random{{seed}}", engine="test", flush_steps=8,
+                               flush_seconds=0.002, span_capacity=32)
+                t._play_random(rec, ticks, t._random_ops(seed))
+                rec.close()
+        print(dropped, hotpath.describe())
     """)
     ran = {}
     for mode in ("c", "python"):  # each run says which path ran, in its process record too
@@ -383,15 +453,16 @@ def test_c_and_python_hot_paths_record_the_same_rows(tmp_path, use_with):
     def rows(frame: pd.DataFrame) -> pd.DataFrame:  # the process's identity differs, by design
         return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])
 
-    for script in ("spans", "steps"):
+    for script in ("spans", "steps", *(f"random{seed}" for seed in range(6))):
         c, python = load_run(tmp_path / "c" / script), load_run(tmp_path / "python" / script)
-        assert len(c.spans) > 100
+        assert len(c.spans) > 100 and (script == "spans" or len(c.steps) > 50), script
         assert c.processes[0]["options"]["hotpath"] == "c"
         assert python.processes[0]["options"]["hotpath"] == "python (OVERSHOOT_HOTPATH=python)"
         pd.testing.assert_frame_equal(rows(c.spans), rows(python.spans))
         pd.testing.assert_frame_equal(rows(c.steps), rows(python.steps))
         pd.testing.assert_frame_equal(rows(c.gpu), rows(python.gpu))
     # The step script reached what it was written for.
+    c = load_run(tmp_path / "c" / "steps")
     steps, gpu = c.steps, c.gpu
     assert len(steps) == 91 and steps["batch_size"].eq(7).sum() == 45
     in_waits = _flushes_inside_waits(c)

@@ -235,11 +235,41 @@ def read_table(spool_dir: Path, table: str, warnings: list[str]) -> pa.Table:
     if not parts:
         empty = base.append(pa.field("pid", pa.int64())).append(pa.field("thread", _TAG_TYPE))
         parts = [empty.empty_table()]
-    merged = pa.concat_tables(parts, promote_options="permissive")
+    merged = pa.concat_tables(_as_text_where_types_differ(parts), promote_options="permissive")
     encoded = DICTIONARY_COLUMNS.get(table, ())
     columns = [_dictionary(c) if name in encoded else _own_strings(c)
                for name, c in zip(merged.column_names, merged.columns, strict=True)]
     return pa.Table.from_arrays(columns, names=merged.column_names)
+
+
+def _as_text_where_types_differ(parts: list[pa.Table]) -> list[pa.Table]:
+    """A column whose type differs between parts and cannot widen (a fact given as a number in one segment
+    and as text or a flag in another) is read as text in every part, so no part is lost; numbers widen."""
+    types: dict[str, set[pa.DataType]] = {}
+    for part in parts:
+        for column_field in part.schema:
+            types.setdefault(column_field.name, set()).add(column_field.type)
+
+    def widens(t: pa.DataType) -> bool:
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)
+
+    text = {name for name, seen in types.items() if len(seen) > 1 and not all(map(widens, seen))}
+    if not text:
+        return parts
+    out = []
+    for part in parts:
+        for name in text & set(part.column_names):
+            at = part.column_names.index(name)
+            column = part.column(at)
+            if pa.types.is_dictionary(column.type):
+                column = column.cast(column.type.value_type)
+            if pa.types.is_boolean(column.type):  # as the writer's str() spells a flag among text
+                column = pc.if_else(column, "True", "False")
+            elif not pa.types.is_string(column.type):
+                column = pc.cast(column, pa.string())
+            part = part.set_column(at, name, column)
+        out.append(part)
+    return out
 
 
 _TAG_TYPE = pa.dictionary(pa.int8(), pa.string())
