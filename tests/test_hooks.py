@@ -11,6 +11,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -450,10 +451,12 @@ def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatc
         ticks = iter(range(10**9, 2 * 10**9, 1000))
         with fake_clock(monkeypatch, ticks.__next__):
             opened: list[Recorder] = []
-            # Facts named and extra, None (ignored), and two calls a step whose extras merge.
+            # Facts named and extra, None (ignored), and two calls a step whose extras merge; the second
+            # function returns a mapping that is not a dict.
             spec = toy_spec(toy, schedule_facts=lambda b, *a: {"batch_size": b.num_seqs, "phase": None,
                                                                "num_tokens": 2 * b.num_seqs, "drafts": 2},
-                            launch_facts=lambda r, *a: {"launched": r.num_seqs, "phase": "decode"})
+                            launch_facts=lambda r, *a: MappingProxyType({"launched": r.num_seqs,
+                                                                         "phase": "decode"}))
             install(spec, recorder_factory=recorder_in(tmp_path / impl, opened))
             kind = type(module.Engine.__dict__["schedule"]).__name__
             module.run(module.Engine(), steps=6)

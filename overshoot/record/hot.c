@@ -838,9 +838,17 @@ static void apply_facts(Hooked *h, PyObject *rec, int fast, PyObject *result, Py
     int ok = found != NULL;
     if (ok) {
         int truth = PyObject_IsTrue(found);
+        if (truth > 0 && !PyDict_Check(found)) {   /* another mapping: as `**found` would, or TypeError */
+            PyObject *copy = PyDict_New();
+            if (copy == NULL || PyDict_Merge(copy, found, 1) < 0) {
+                Py_CLEAR(copy);
+                truth = -1;
+            }
+            Py_SETREF(found, copy != NULL ? copy : Py_NewRef(Py_None));
+        }
         if (truth < 0) {
             ok = 0;
-        } else if (truth && fast && PyDict_Check(found)) {
+        } else if (truth && fast) {
             ok = core_step_facts_from((RecorderCore *)rec, found) == 0;
         } else if (truth) {
             PyObject *method = PyObject_GetAttr(rec, s_step_facts);
