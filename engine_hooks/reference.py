@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import operator
 
-from engine_hooks.spec import EngineSpec, HookTarget
+from engine_hooks.spec import EngineSpec, HookTarget, attribute_facts
 
 ENGINE_MODULE = "reference_engine.engine"
 
 
-def batch_facts(batch, *_args, **_kwargs) -> dict:
-    """Facts of the step from the ScheduledBatch that `Engine.schedule()` returns (None: nothing to run)."""
-    if batch is None:
-        return {}
-    return {
-        "batch_size": batch.num_seqs,
-        "num_tokens": batch.num_tokens,
-        "phase": batch.phase,
-        "spec_tokens": getattr(batch, "spec_tokens", 0),
-    }
-
-
-def accepted_facts(accepted, *_args, **_kwargs) -> dict:
-    """Drafts accepted by the verify step whose results `Engine.update_requests` consumed (speculative
-    decoding runs with sync scheduling, so that is this step's batch); nothing after other steps."""
-    return {} if accepted is None else {"accepted_tokens": accepted}
-
+# Facts of the step from the ScheduledBatch that `Engine.schedule()` returns (None: nothing to run).
+batch_facts = attribute_facts(batch_size="num_seqs", num_tokens="num_tokens", phase="phase",
+                              spec_tokens="spec_tokens")
+# Drafts accepted by the verify step whose results `Engine.update_requests` consumed (speculative decoding
+# runs with sync scheduling, so that is this step's batch); nothing after other steps (it returns None).
+accepted_facts = attribute_facts(accepted_tokens="")
 
 # The engine's stream (None on CPU: no CUDA events). A C callable: the hooks' C wrapper calls it every step
 # with GPU timing on, without a Python frame; a renamed field turns GPU events off, logged.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from engine_hooks import status
-from engine_hooks.spec import EngineSpec, HookTarget
+from engine_hooks.spec import AttributeFacts, EngineSpec, HookTarget
 
 RecorderFactory = Callable[[str, dict], object]  # (engine name, process_info) -> Recorder
 
@@ -113,9 +113,11 @@ def _c_wrapper(func, targets: list[HookTarget], spec: EngineSpec, factory: Recor
     def gpu_failed(exc: BaseException) -> None:
         log(f"GPU events of {name} disabled: {type(exc).__name__}: {exc}")
 
+    fn = facts[0].facts if facts else None
     wrapper = hotpath.native.Hooked(
         func, busy=label.get("busy"), wait=label.get("wait"), step="step" in label, idle="idle" in label,
-        stream_of=spec.stream if "gpu" in label else None, facts=facts[0].facts if facts else None,
+        stream_of=spec.stream if "gpu" in label else None, facts=fn,
+        attrs=fn.fields if isinstance(fn, AttributeFacts) else None,  # read in C, no Python frame
         globals=globals(), open=functools.partial(_open_recorder, spec.name, factory),
         failed=_recording_failed, facts_failed=facts_failed, gpu_failed=gpu_failed)
     functools.update_wrapper(wrapper, func)

@@ -16,7 +16,7 @@ from types import MappingProxyType
 import pytest
 
 from engine_hooks import EngineSpec, HookTarget, install, patcher, registry
-from engine_hooks.spec import _simple_match, version_matches
+from engine_hooks.spec import _simple_match, attribute_facts, version_matches
 from overshoot import Recorder
 from overshoot.rundir.reader import load_run
 
@@ -28,6 +28,8 @@ import queue
 
 
 class Batch:
+    phase = "decode"
+
     def __init__(self, n):
         self.num_seqs = n
 
@@ -84,7 +86,8 @@ def toy(tmp_path, monkeypatch):
 
 
 def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", extra=(),
-             schedule_facts=lambda b, *a: {"batch_size": b.num_seqs}, launch_facts=None) -> EngineSpec:
+             schedule_facts=lambda b, *a: {"batch_size": b.num_seqs}, launch_facts=None,
+             wait_facts=None) -> EngineSpec:
     return EngineSpec(
         name=name,
         dist=dist,
@@ -95,7 +98,7 @@ def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", ext
             HookTarget(module, "Engine.schedule", "busy", facts=schedule_facts),
             HookTarget(module, "Engine.launch", "busy", facts=launch_facts),
             HookTarget(module, "Engine.launch", "gpu"),
-            HookTarget(module, "Engine.wait_for_results", "wait", label="gpu"),
+            HookTarget(module, "Engine.wait_for_results", "wait", label="gpu", facts=wait_facts),
             HookTarget(module, "Engine.wait_for_work", "idle"),
             *extra,
         ),
@@ -451,12 +454,14 @@ def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatc
         ticks = iter(range(10**9, 2 * 10**9, 1000))
         with fake_clock(monkeypatch, ticks.__next__):
             opened: list[Recorder] = []
-            # Facts named and extra, None (ignored), and two calls a step whose extras merge; the second
-            # function returns a mapping that is not a dict.
-            spec = toy_spec(toy, schedule_facts=lambda b, *a: {"batch_size": b.num_seqs, "phase": None,
-                                                               "num_tokens": 2 * b.num_seqs, "drafts": 2},
-                            launch_facts=lambda r, *a: MappingProxyType({"launched": r.num_seqs,
-                                                                         "phase": "decode"}))
+            # Facts named and extra, None (ignored), and three calls a step whose extras merge: a function
+            # returning a mapping that is not a dict, attributes of the result and the result itself (read
+            # in C).
+            spec = toy_spec(toy, schedule_facts=lambda b, *a: MappingProxyType({
+                                "batch_size": b.num_seqs, "phase": None, "num_tokens": 2 * b.num_seqs,
+                                "drafts": 2}),
+                            launch_facts=attribute_facts(launched="num_seqs", phase="phase"),
+                            wait_facts=attribute_facts(results=""))
             install(spec, recorder_factory=recorder_in(tmp_path / impl, opened))
             kind = type(module.Engine.__dict__["schedule"]).__name__
             module.run(module.Engine(), steps=6)
@@ -469,6 +474,7 @@ def test_wrappers_record_the_same_rows_in_c_and_python(toy, tmp_path, monkeypatc
     assert len(c.steps) == 6 and (c.steps["batch_size"] == 3).all() and len(c.spans) == 19
     assert (c.steps["num_tokens"] == 6).all() and (c.steps["phase"] == "decode").all()
     assert (c.steps["drafts"] == 2).all() and (c.steps["launched"] == 3).all()
+    assert (c.steps["results"] == "[1, 1, 1]").all()
 
     def rows(frame):
         return frame.drop(columns=[col for col in ("pid", "tid", "thread") if col in frame])

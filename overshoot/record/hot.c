@@ -744,6 +744,7 @@ typedef struct {
     int step, idle;
     PyObject *stream_of;                 /* the gpu role: stream_of(first argument) -> stream or None */
     PyObject *facts;                     /* facts(result, *args, **kwargs) -> dict of step facts */
+    PyObject *attrs;                     /* or these facts' ((name, attribute), ...) of the result (C) */
     PyObject *globals;                   /* engine_hooks.wrappers's namespace: its `_tls` */
     PyObject *open;                      /* open() -> this thread's recorder (or None), on first use */
     PyObject *failed;                    /* failed(exc): recording off in this thread */
@@ -818,6 +819,25 @@ static int end_all(Hooked *h, PyObject *rec, int fast, PyObject *stream) {
     return 0;
 }
 
+/* engine_hooks.spec.AttributeFacts: {name: getattr(result, attr) or result itself for ""}; {} for None. */
+static PyObject *facts_from_attributes(PyObject *fields, PyObject *result) {
+    PyObject *found = PyDict_New();
+    if (found == NULL || result == Py_None) return found;
+    Py_ssize_t n = PyTuple_GET_SIZE(fields);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyTuple_GET_ITEM(fields, i);
+        PyObject *attr = PyTuple_GET_ITEM(pair, 1);
+        PyObject *value = PyUnicode_GET_LENGTH(attr) ? PyObject_GetAttr(result, attr) : Py_NewRef(result);
+        int rc = value != NULL ? PyDict_SetItem(found, PyTuple_GET_ITEM(pair, 0), value) : -1;
+        Py_XDECREF(value);
+        if (rc < 0) {
+            Py_DECREF(found);
+            return NULL;
+        }
+    }
+    return found;
+}
+
 static void apply_facts(Hooked *h, PyObject *rec, int fast, PyObject *result, PyObject *const *args,
                         size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -832,7 +852,8 @@ static void apply_facts(Hooked *h, PyObject *rec, int fast, PyObject *result, Py
     call[0] = result;
     for (Py_ssize_t i = 0; i < total; i++) call[i + 1] = args[i];
     PyObject *facts = Py_NewRef(h->facts);   /* the call may run code that turns it off */
-    PyObject *found = PyObject_Vectorcall(facts, call, nargs + 1, kwnames);
+    PyObject *found = h->attrs != Py_None ? facts_from_attributes(h->attrs, result)
+                                          : PyObject_Vectorcall(facts, call, nargs + 1, kwnames);
     Py_DECREF(facts);
     if (call != small) PyMem_Free(call);
     int ok = found != NULL;
@@ -862,6 +883,7 @@ static void apply_facts(Hooked *h, PyObject *rec, int fast, PyObject *result, Py
     if (!ok) {   /* a renamed field in the engine must not break it: these facts go off */
         report(h->facts_failed);
         Py_SETREF(h->facts, Py_NewRef(Py_None));
+        Py_SETREF(h->attrs, Py_NewRef(Py_None));
     }
 }
 
@@ -895,18 +917,30 @@ static PyObject *Hooked_vectorcall(Hooked *h, PyObject *const *args, size_t narg
 }
 
 static PyObject *Hooked_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"func", "busy", "wait", "step", "idle", "stream_of", "facts", "globals", "open",
-                            "failed", "facts_failed", "gpu_failed", NULL};
-    PyObject *func, *busy = Py_None, *wait = Py_None, *stream_of = Py_None, *facts = Py_None;
+    static char *names[] = {"func", "busy", "wait", "step", "idle", "stream_of", "facts", "attrs", "globals",
+                            "open", "failed", "facts_failed", "gpu_failed", NULL};
+    PyObject *func, *busy = Py_None, *wait = Py_None, *stream_of = Py_None, *facts = Py_None, *attrs = Py_None;
     PyObject *globals = NULL, *open = NULL, *failed = NULL, *facts_failed = NULL, *gpu_failed = NULL;
     int step = 0, idle = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOppOOO!OOOO", names, &func, &busy, &wait, &step, &idle,
-                                     &stream_of, &facts, &PyDict_Type, &globals, &open, &failed,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOppOOOO!OOOO", names, &func, &busy, &wait, &step, &idle,
+                                     &stream_of, &facts, &attrs, &PyDict_Type, &globals, &open, &failed,
                                      &facts_failed, &gpu_failed))
         return NULL;
     if (!globals || !open || !failed || !facts_failed || !gpu_failed) {
         PyErr_SetString(PyExc_TypeError, "Hooked() needs globals, open, failed, facts_failed and gpu_failed");
         return NULL;
+    }
+    if (attrs != Py_None) {   /* ((name, attribute), ...), both str: read without checks per call */
+        int valid = PyTuple_Check(attrs) && facts != Py_None;
+        for (Py_ssize_t i = 0; valid && i < PyTuple_GET_SIZE(attrs); i++) {
+            PyObject *pair = PyTuple_GET_ITEM(attrs, i);
+            valid = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 &&
+                    PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)) && PyUnicode_Check(PyTuple_GET_ITEM(pair, 1));
+        }
+        if (!valid) {
+            PyErr_SetString(PyExc_TypeError, "Hooked(attrs=) takes ((name, attribute), ...) of str, with facts");
+            return NULL;
+        }
     }
     Hooked *h = (Hooked *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
@@ -918,6 +952,7 @@ static PyObject *Hooked_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     h->idle = idle;
     h->stream_of = Py_NewRef(stream_of);
     h->facts = Py_NewRef(facts);
+    h->attrs = Py_NewRef(attrs);
     h->globals = Py_NewRef(globals);
     h->open = Py_NewRef(open);
     h->failed = Py_NewRef(failed);
@@ -928,15 +963,15 @@ static PyObject *Hooked_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static int Hooked_traverse(Hooked *h, visitproc visit, void *arg) {
     Py_VISIT(h->dict); Py_VISIT(h->func); Py_VISIT(h->busy_label); Py_VISIT(h->wait_label);
-    Py_VISIT(h->stream_of); Py_VISIT(h->facts); Py_VISIT(h->globals); Py_VISIT(h->open); Py_VISIT(h->failed);
-    Py_VISIT(h->facts_failed); Py_VISIT(h->gpu_failed);
+    Py_VISIT(h->stream_of); Py_VISIT(h->facts); Py_VISIT(h->attrs); Py_VISIT(h->globals); Py_VISIT(h->open);
+    Py_VISIT(h->failed); Py_VISIT(h->facts_failed); Py_VISIT(h->gpu_failed);
     return 0;
 }
 
 static int Hooked_clear(Hooked *h) {
     Py_CLEAR(h->dict); Py_CLEAR(h->func); Py_CLEAR(h->busy_label); Py_CLEAR(h->wait_label);
-    Py_CLEAR(h->stream_of); Py_CLEAR(h->facts); Py_CLEAR(h->globals); Py_CLEAR(h->open); Py_CLEAR(h->failed);
-    Py_CLEAR(h->facts_failed); Py_CLEAR(h->gpu_failed);
+    Py_CLEAR(h->stream_of); Py_CLEAR(h->facts); Py_CLEAR(h->attrs); Py_CLEAR(h->globals); Py_CLEAR(h->open);
+    Py_CLEAR(h->failed); Py_CLEAR(h->facts_failed); Py_CLEAR(h->gpu_failed);
     return 0;
 }
 
