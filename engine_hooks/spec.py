@@ -28,9 +28,11 @@ class AttributeFacts:
     fields: tuple[tuple[str, str], ...]
 
     def __call__(self, result, *_args, **_kwargs) -> dict:
-        if result is None:
-            return {}
-        return {name: getattr(result, attr) if attr else result for name, attr in self.fields}
+        found: dict = {}
+        if result is not None:
+            for name, attr in self.fields:  # a loop, not a comprehension: no frame of its own on 3.11
+                found[name] = getattr(result, attr) if attr else result
+        return found
 
 
 def attribute_facts(**fields: str) -> AttributeFacts:
