@@ -94,6 +94,12 @@ def empty_kernels(n: int, rows: np.ndarray | None = None) -> StepKernels:
                        nan(), np.zeros(m), DEFAULT_LATENCY_NS, 0, *chains)
 
 
+def _window_bounds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel-timing windows' starts and ends (host ns, float), in order of start."""
+    order = np.argsort(windows["start_ns"].to_numpy(), kind="stable")
+    return (windows["start_ns"].to_numpy("float64")[order], windows["end_ns"].to_numpy("float64")[order])
+
+
 def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
                        keys: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Steps lying inside a kernel-timing window (called with kernels recorded), and the number of windows
@@ -101,8 +107,7 @@ def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame
     were lost, and steps without kernels must not read as GPU-idle. No windows: the whole run was recorded."""
     if windows is None or len(windows) == 0:
         return np.ones(len(start), bool), 0
-    w = windows.sort_values("start_ns")
-    w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
+    w_start, w_end = _window_bounds(windows)
     empty = 0
     if keys is not None:
         sorted_keys = np.sort(keys)
@@ -193,8 +198,7 @@ def window_of(key: np.ndarray, windows: pd.DataFrame | None) -> np.ndarray | Non
     in (-1: none); None when the run has no windows (it was recorded whole)."""
     if windows is None or len(windows) == 0:
         return None
-    w = windows.sort_values("start_ns")
-    w_start, w_end = w["start_ns"].to_numpy("float64"), w["end_ns"].to_numpy("float64")
+    w_start, w_end = _window_bounds(windows)
     i = np.searchsorted(w_start, key, side="right") - 1
     return np.where((i >= 0) & (key < w_end[np.maximum(i, 0)]), i, -1)
 
