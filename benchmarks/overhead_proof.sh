@@ -20,10 +20,12 @@ case "$part" in
       OVERSHOOT_HOTPATH=$path python "$here/recorder_overhead.py" --steps 20000 \
         --json "$out/recorder_overhead_$path.json" | tee -a "$log"
     done
-    python "$here/sync_decomposition.py" --modes off,events --budget-s 110 \
+    python "$here/sync_decomposition.py" --modes off,events --budget-s 90 \
       --out "$out/sync_decomposition.json" | tee -a "$log"
+    # --attach-check-s: plain rounds before any mode and after all, CUPTI attached but off in between:
+    # whether an attached CUPTI is what `sampled` costs over `events` on this step.
     python "$here/hook_overhead.py" --configs step-triton-sync --modes events,sampled,kernels --batches 1 \
-      --tokens 128 --rounds 2000 --budget-s 200 --out "$out/sync" | tee -a "$log"
+      --tokens 128 --rounds 2000 --budget-s 200 --attach-check-s 20 --out "$out/sync" | tee -a "$log"
     ;;
   eager)
     python "$here/hook_overhead.py" --configs eager-torch --modes events,sampled --batches 1 --tokens 32 \
