@@ -22,6 +22,7 @@ Here a span costs two clock reads and a few list stores, and a hooked step no Py
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <string.h>
 #include <time.h>
 
 static PyObject *BUSY, *WAIT, *IDLE, *GPU_LABEL;        /* the kind strings of record/scopes.py */
@@ -115,6 +116,24 @@ static int set_obj(PyObject *list, long long i, PyObject *value) {
     return set_item(list, i, value);
 }
 
+/* column[i] = v: the recorder's int64 buffers (memoryviews of format "q", recorder.int_buffer) take the 8
+   bytes, no int object (a list slot allocates one and frees the one written a buffer's length ago, memory
+   long out of the cache inside a real engine's step); any other column (a list) the int. */
+static int set_ll(PyObject *column, long long i, long long v) {
+    if (column != NULL && PyMemoryView_Check(column)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(column);
+        if (b->buf == NULL || b->readonly || b->itemsize != 8 || b->ndim != 1 || b->format == NULL ||
+            strcmp(b->format, "q") != 0 || (b->strides != NULL && b->strides[0] != 8) || i < 0 ||
+            i >= b->len / 8) {
+            PyErr_SetString(PyExc_IndexError, "overshoot recorder: int64 buffer index out of range");
+            return -1;
+        }
+        ((long long *)b->buf)[i] = v;
+        return 0;
+    }
+    return set_item(column, i, PyLong_FromLongLong(v));
+}
+
 static PyObject *get_item(PyObject *list, long long i) {   /* borrowed */
     if (list == NULL || !PyList_Check(list) || i < 0 || i >= PyList_GET_SIZE(list)) {
         PyErr_SetString(PyExc_IndexError, "overshoot recorder: index out of range");
@@ -174,9 +193,8 @@ static int span_end(RecorderCore *s) {
         step = -1;
     }
     long long n = s->n_spans;
-    if (set_item(s->p_step, n, PyLong_FromLongLong(step)) < 0 || set_obj(s->p_kind, n, kind) < 0 ||
-        set_obj(s->p_label, n, label) < 0 || set_item(s->p_start, n, PyLong_FromLongLong(start)) < 0 ||
-        set_item(s->p_dur, n, PyLong_FromLongLong(t - start)) < 0) return -1;
+    if (set_ll(s->p_step, n, step) < 0 || set_obj(s->p_kind, n, kind) < 0 || set_obj(s->p_label, n, label) < 0 ||
+        set_ll(s->p_start, n, start) < 0 || set_ll(s->p_dur, n, t - start) < 0) return -1;
     s->n_spans = n + 1;
     if (n + 1 >= s->spans_cap) return call_method((PyObject *)s, s_flush);
     return 0;
@@ -186,7 +204,6 @@ static int span_end(RecorderCore *s) {
 
 #define NZ(o) ((o) != NULL ? (o) : Py_None)   /* an object field, None while unset */
 
-static int set_ll(PyObject *list, long long i, long long v) { return set_item(list, i, PyLong_FromLongLong(v)); }
 
 static int as_ll(PyObject *r, long long *out) {   /* steals r */
     if (r == NULL) return -1;

@@ -72,6 +72,18 @@ RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wai
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
 
 
+def int_buffer(n: int) -> memoryview | list[int]:
+    """n int64 slots, zeroed, for the C core; items read and written as Python ints, the whole as a buffer
+    (the writer builds its Arrow columns from it without a Python loop). The Python core gets a list: a
+    memoryview's item store costs it ~10% more a step."""
+    return memoryview(bytearray(8 * n)).cast("q") if hotpath.native is not None else [0] * n
+
+
+def _joined(column: memoryview | list, rows: list) -> memoryview | list:
+    """A buffer's rows followed by the CUDA ring's rows resolved in waits (usually none)."""
+    return [*column, *rows] if rows else column
+
+
 class Recorder(RecorderCore):
     """Per-thread step timer, writing to RUN/spool/. See the module docstring and docs/contracts.md §1.
 
@@ -137,17 +149,21 @@ class Recorder(RecorderCore):
         # Columnar buffers: steps (one row per finished step), spans, host-clock GPU intervals.
         n = flush_steps
         self._steps_cap = n
-        self._s_step, self._s_start, self._s_end, self._s_wait = [0] * n, [0] * n, [0] * n, [0] * n
+        # The int columns are raw int64 buffers (int_buffer): a store writes 8 bytes, where a list slot
+        # allocates an int and frees the one written a buffer's length ago, memory long gone from the cache
+        # in a real engine's step (on a CPU-only tiny engine the hooked calls cost several times more inside
+        # its steps than around a stub, and these stores were a third of it).
+        self._s_step, self._s_start, self._s_end, self._s_wait = (int_buffer(n) for _ in range(4))
         self._s_batch, self._s_tokens, self._s_phase = [None] * n, [None] * n, [None] * n
         self._s_facts: list[dict | None] = [None] * n
         self._n_steps = 0
         self._spans_cap = span_capacity or max(1024, 16 * n)
         m = self._spans_cap
-        self._p_step, self._p_kind, self._p_label = [0] * m, [None] * m, [None] * m
-        self._p_start, self._p_dur = [0] * m, [0] * m
+        self._p_step, self._p_start, self._p_dur = (int_buffer(m) for _ in range(3))
+        self._p_kind, self._p_label = [None] * m, [None] * m
         self._n_spans = 0
         self._soft_steps, self._soft_spans = max(1, int(SOFT_FILL * n)), int(SOFT_FILL * m)
-        self._g_step, self._g_start, self._g_end = [0] * n, [0] * n, [0] * n
+        self._g_step, self._g_start, self._g_end = (int_buffer(n) for _ in range(3))
         self._n_gpu = 0
         # Rows [0, watermark) were already written by a flush from another thread (signal handler, atexit).
         self._w_steps = self._w_spans = self._w_gpu = 0
@@ -328,6 +344,7 @@ class Recorder(RecorderCore):
     def gpu_span(self, start_ns: int, end_ns: int) -> None:
         """GPU work whose times are known on the host clock (first start .. last end of the open step; in a
         thread that runs no steps, one detached interval per call, as for gpu_begin)."""
+        start_ns, end_ns = int(start_ns), int(end_ns)  # (numbers of any kind: the buffers hold int64)
         if self._step < 0:
             g = self._n_gpu
             self._g_step[g], self._g_start[g], self._g_end[g] = -1, start_ns, end_ns
@@ -477,8 +494,8 @@ class Recorder(RecorderCore):
                 spans=(self._p_step[w_spans:n_spans], self._p_kind[w_spans:n_spans],
                        self._p_label[w_spans:n_spans], self._p_start[w_spans:n_spans],
                        self._p_dur[w_spans:n_spans]),
-                gpu=(self._g_step[w_gpu:n_gpu] + gpu_rows[0], self._g_start[w_gpu:n_gpu] + gpu_rows[1],
-                     self._g_end[w_gpu:n_gpu] + gpu_rows[2]),
+                gpu=tuple(_joined(column[w_gpu:n_gpu], rows) for column, rows in
+                          zip((self._g_step, self._g_start, self._g_end), gpu_rows, strict=True)),
             )
         if owner:
             self._rewind(n_steps)

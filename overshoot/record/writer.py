@@ -88,8 +88,12 @@ def _word(array: pa.Array) -> pa.Array:
     return array.dictionary_encode().cast(WORD)
 
 
-def _ints(values: list) -> pa.Array:
-    """int64 column the recorder always fills (steps, clock times, durations): never null."""
+def _ints(values: list | memoryview) -> pa.Array:
+    """int64 column the recorder always fills (steps, clock times, durations): never null. The recorder's
+    int64 buffers (a memoryview) are copied as they are."""
+    if isinstance(values, memoryview):
+        data = np.frombuffer(values, np.int64).copy()  # the recorder writes on into the buffer
+        return pa.Array.from_buffers(pa.int64(), len(data), [None, pa.py_buffer(data)])
     return column(values, pa.int64(), nullable=False)
 
 
