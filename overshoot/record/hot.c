@@ -142,8 +142,15 @@ static PyObject *get_item(PyObject *list, long long i) {   /* borrowed */
     return PyList_GET_ITEM(list, i);
 }
 
-static int call_method(PyObject *self, PyObject *name) {
+static int call_method(PyObject *self, PyObject *name) {   /* self.name(), its result dropped */
     PyObject *r = PyObject_CallMethodNoArgs(self, name);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int call_method_one(PyObject *self, PyObject *name, PyObject *arg) {   /* self.name(arg), the same */
+    PyObject *r = PyObject_CallMethodOneArg(self, name, arg);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -233,14 +240,19 @@ static int call_ll(PyObject *self, PyObject *name, long long arg, long long *out
 static int truthy(PyObject *o) { return o == NULL || o == Py_None || o == Py_False ? 0 : PyObject_IsTrue(o); }
 
 /* CudaEventRing.acquire and .commit (record/cuda_events.py), line for line, on its attributes. */
-static int ring_acquire(PyObject *ring, long long *slot) {
-    long long write_head, resolve_head, size, dropped;
-    if (get_ll_attr(ring, s_write_head, &write_head) < 0 || get_ll_attr(ring, s_resolve_head, &resolve_head) < 0 ||
-        get_ll_attr(ring, s_size, &size) < 0) return -1;
-    if (size <= 0 || write_head < 0) {
+static int ring_heads(PyObject *ring, long long *write_head, long long *resolve_head, long long *size) {
+    if (get_ll_attr(ring, s_write_head, write_head) < 0 || get_ll_attr(ring, s_resolve_head, resolve_head) < 0 ||
+        get_ll_attr(ring, s_size, size) < 0) return -1;
+    if (*size <= 0 || *write_head < 0) {
         PyErr_SetString(PyExc_ValueError, "overshoot CUDA event ring: bad size or head");
         return -1;
     }
+    return 0;
+}
+
+static int ring_acquire(PyObject *ring, long long *slot) {
+    long long write_head, resolve_head, size, dropped;
+    if (ring_heads(ring, &write_head, &resolve_head, &size) < 0) return -1;
     if (write_head - resolve_head >= size) {
         if (set_ll_attr(ring, s_resolve_head, resolve_head + 1) < 0 || get_ll_attr(ring, s_dropped, &dropped) < 0 ||
             set_ll_attr(ring, s_dropped, dropped + 1) < 0) return -1;
@@ -331,11 +343,8 @@ static int core_boundary(RecorderCore *s, long long t, long long *out) {
     s->n_steps = n + 1;
     s->step = -1;
     s->steps_recorded += 1;
-    if (s->nvtx != NULL && s->nvtx != Py_None) {
-        PyObject *r = PyObject_CallMethodOneArg(s->nvtx, s_end_step, NZ(s->nvtx_step));
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-    }
+    if (s->nvtx != NULL && s->nvtx != Py_None && call_method_one(s->nvtx, s_end_step, NZ(s->nvtx_step)) < 0)
+        return -1;
     int long_wait = waited >= WORK_IN_WAIT_NS;
     int full = n + 1 >= s->steps_cap;   /* (a full span buffer flushes itself, in span_end) */
     int timed_out = t - s->last_flush_ns >= s->flush_interval_ns;
@@ -515,9 +524,7 @@ static int core_gpu_end(RecorderCore *s, PyObject *stream) {
             s->gpu_ended = s->gpu_detached = 0;
             long long write_head, resolve_head, size;
             rc = ring_commit(ring, slot, -1);
-            if (rc == 0 && (get_ll_attr(ring, s_write_head, &write_head) < 0 ||
-                            get_ll_attr(ring, s_resolve_head, &resolve_head) < 0 || get_ll_attr(ring, s_size, &size) < 0))
-                rc = -1;
+            if (rc == 0) rc = ring_heads(ring, &write_head, &resolve_head, &size);
             if (rc == 0 && write_head - resolve_head >= size / 2) rc = call_method((PyObject *)s, s_flush_detached);
         }
     }
@@ -662,10 +669,7 @@ static PyTypeObject RecorderCoreType = {
 /* The span calls on any recorder: in C on a plain Recorder, else through its (overriding) methods. */
 static int rec_begin(PyObject *rec, int fast, PyObject *label, int wait) {
     if (fast) return wait ? span_wait_begin((RecorderCore *)rec, label) : span_busy_begin((RecorderCore *)rec, label);
-    PyObject *r = PyObject_CallMethodOneArg(rec, wait ? s_wait_begin : s_busy_begin, label);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
+    return call_method_one(rec, wait ? s_wait_begin : s_busy_begin, label);
 }
 
 static int rec_end(PyObject *rec, int fast, PyObject *name) {
@@ -811,25 +815,16 @@ static int begin_all(Hooked *h, PyObject *rec, int fast, PyObject *first, PyObje
             Py_DECREF(found);
         } else {
             *stream = found;
-            if (fast) return core_gpu_begin(core, found);
-            PyObject *r = PyObject_CallMethodOneArg(rec, s_gpu_begin, found);
-            if (r == NULL) return -1;
-            Py_DECREF(r);
+            return fast ? core_gpu_begin(core, found) : call_method_one(rec, s_gpu_begin, found);
         }
     }
     return 0;
 }
 
 static int end_all(Hooked *h, PyObject *rec, int fast, PyObject *stream) {
-    if (stream != NULL) {
-        if (fast) {
-            if (core_gpu_end((RecorderCore *)rec, stream) < 0) return -1;
-        } else {
-            PyObject *r = PyObject_CallMethodOneArg(rec, s_gpu_end, stream);
-            if (r == NULL) return -1;
-            Py_DECREF(r);
-        }
-    }
+    if (stream != NULL &&
+        (fast ? core_gpu_end((RecorderCore *)rec, stream) : call_method_one(rec, s_gpu_end, stream)) < 0)
+        return -1;
     if (h->wait_label != Py_None && rec_end(rec, fast, s_wait_end) < 0) return -1;
     if (h->busy_label != Py_None && rec_end(rec, fast, s_busy_end) < 0) return -1;
     if (h->idle && rec_end(rec, fast, s_idle_end) < 0) return -1;

@@ -1,9 +1,9 @@
 """The timer API: busy / wait / idle spans and step boundaries on one engine thread, spooled to a run dir.
 
-Hot path design: every per-call method writes into preallocated columnar lists indexed by a counter, reads
-`time.perf_counter_ns()` once, and allocates nothing but the clock's int. The calls made once or more a step
-(spans, step boundaries, step facts, the CUDA event calls) are hot.c's RecorderCore, this class's base, where
-it compiled (record/hotpath.py), else their Python twin (record/core.py).
+Hot path design: every per-call method writes into preallocated columns indexed by a counter (int64 buffers
+for the times in C, lists in Python: int_buffer) and reads `time.perf_counter_ns()` once. The calls made once
+or more a step (spans, step boundaries, step facts, the CUDA event calls) are hot.c's RecorderCore, this
+class's base, where it compiled (record/hotpath.py), else their Python twin (record/core.py).
 `rec.busy("x")` returns a context manager cached per label, built to cost about what the begin/end pair
 costs (hot.c's Scope, else record/scopes.py).
 Flushing (Arrow conversion + write) happens between steps, every `flush_steps` steps or `flush_seconds`, at
