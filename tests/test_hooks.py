@@ -105,6 +105,20 @@ def toy_spec(module: str, *, name: str = "toy", dist=(), versions: str = "", ext
     )
 
 
+def record_toy(module, spec: EngineSpec, run_dir: Path, *, steps: int):
+    """The spec's hooks installed, the toy engine run `steps` steps, its recorder closed; the run read."""
+    opened: list[Recorder] = []
+    install(spec, recorder_factory=recorder_in(run_dir, opened))
+    module.run(module.Engine(), steps=steps)
+    opened[0].close()
+    return load_run(run_dir)
+
+
+def overshoot_lines(capfd) -> list[str]:
+    """The lines overshoot logged on stderr."""
+    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+
+
 def recorder_in(run_dir: Path, opened: list):
     def factory(engine: str, process_info: dict) -> Recorder:
         rec = Recorder(run_dir, engine=engine, process_info=process_info)
@@ -219,13 +233,10 @@ def test_failing_facts_function_disables_itself_and_engine_runs_on(toy, tmp_path
         "",
         (HookTarget(toy, "Engine.step", "step"), HookTarget(toy, "Engine.schedule", "busy", facts=broken)),
     )
-    opened: list[Recorder] = []
-    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
-    module.run(module.Engine(), steps=4)
-    opened[0].close()
-    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    run = record_toy(module, spec, tmp_path / "run", steps=4)
+    err = overshoot_lines(capfd)
     assert len(err) == 1 and "facts of" in err[0] and "field_renamed_upstream" in err[0]
-    assert len(load_run(tmp_path / "run").steps) == 4
+    assert len(run.steps) == 4
 
 
 def test_static_methods_and_module_functions_keep_working(toy, tmp_path):
@@ -417,12 +428,8 @@ def test_process_facts_go_to_the_process_record_once(toy, tmp_path):
         calls.append(1)
         return {"rank": 3, "world_size": 4}
 
-    opened: list[Recorder] = []
     spec = toy_spec(toy, extra=(HookTarget(toy, "Engine.launch", "busy", process_facts=layout),))
-    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
-    module.run(module.Engine(), steps=5)
-    opened[0].close()
-    process = load_run(tmp_path / "run").processes[0]
+    process = record_toy(module, spec, tmp_path / "run", steps=5).processes[0]
     assert (process["rank"], process["world_size"]) == (3, 4) and len(calls) == 1
 
 
@@ -524,7 +531,7 @@ def test_a_failing_recorder_turns_recording_off_and_the_engine_runs_on(toy, tmp_
     engine = module.Engine()
     assert [engine.step() for _ in range(3)] == [[1, 1, 1]] * 3
     opened[0].close()
-    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    err = overshoot_lines(capfd)
     assert len(err) == 1 and "recording disabled" in err[0] and "RuntimeError: disk full" in err[0]
     assert len(opened) == 1 and len(load_run(tmp_path / "run").steps) == 1  # off from the first busy span
 
@@ -537,13 +544,9 @@ def test_a_failing_stream_lookup_turns_gpu_events_off_only(toy, tmp_path, capfd,
 
     spec = toy_spec(toy)
     spec = EngineSpec(spec.name, spec.dist, spec.versions, spec.targets, stream=no_stream)
-    opened: list[Recorder] = []
-    install(spec, recorder_factory=recorder_in(tmp_path / "run", opened))
-    module.run(module.Engine(), steps=3)
-    opened[0].close()
-    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("overshoot:")]
+    run = record_toy(module, spec, tmp_path / "run", steps=3)
+    err = overshoot_lines(capfd)
     assert len(err) == 1 and "GPU events of" in err[0] and "stream_renamed_upstream" in err[0]
-    run = load_run(tmp_path / "run")
     assert len(run.steps) == 3 and (run.spans.label == "launch").sum() == 3
 
 
