@@ -852,22 +852,26 @@ static PyObject *facts_from_attributes(PyObject *fields, PyObject *result) {
 
 static void apply_facts(Hooked *h, PyObject *rec, int fast, PyObject *result, PyObject *const *args,
                         size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
-    PyObject *small[9];
-    PyObject **call = total < 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
-    if (call == NULL) {
-        PyErr_NoMemory();
-        report(h->facts_failed);
-        return;
+    PyObject *found;
+    if (h->attrs != Py_None) {
+        found = facts_from_attributes(h->attrs, result);
+    } else {   /* facts(result, *args, **kwargs) */
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+        PyObject *small[9];
+        PyObject **call = total < 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+        if (call == NULL) {
+            PyErr_NoMemory();
+            report(h->facts_failed);
+            return;
+        }
+        call[0] = result;
+        for (Py_ssize_t i = 0; i < total; i++) call[i + 1] = args[i];
+        PyObject *facts = Py_NewRef(h->facts);   /* the call may run code that turns it off */
+        found = PyObject_Vectorcall(facts, call, nargs + 1, kwnames);
+        Py_DECREF(facts);
+        if (call != small) PyMem_Free(call);
     }
-    call[0] = result;
-    for (Py_ssize_t i = 0; i < total; i++) call[i + 1] = args[i];
-    PyObject *facts = Py_NewRef(h->facts);   /* the call may run code that turns it off */
-    PyObject *found = h->attrs != Py_None ? facts_from_attributes(h->attrs, result)
-                                          : PyObject_Vectorcall(facts, call, nargs + 1, kwnames);
-    Py_DECREF(facts);
-    if (call != small) PyMem_Free(call);
     int ok = found != NULL;
     if (ok) {
         int truth = PyObject_IsTrue(found);
