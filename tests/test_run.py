@@ -173,7 +173,9 @@ def test_live_view_and_by_label_on_the_real_engine(sweep):
     client = pd.read_parquet(run_dir / "client.parquet").to_dict("records")
     rows = snapshot(run_dir, meta_of(run_dir)["levels"], client)
     assert [r["concurrency"] for r in rows] == [1, 4] and rows == report["levels"]
-    assert report["crossover"]["phase"] == "decode" and report["crossover"]["text"].startswith("crossover: ")
+    assert report["crossover"]["phase"] == "decode"
+    # no GPU on this CPU engine: no CPU-bound verdict, so no crossover either way
+    assert report["crossover"]["text"].startswith("crossover: unknown; ")
     for group in report["groups"]:
         labels = {r["label"] for r in group["busy_by_label"]}
         assert {"schedule", "prepare_inputs", "launch"} <= labels, group["title"]

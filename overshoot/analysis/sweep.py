@@ -85,21 +85,35 @@ def _share(row: dict) -> str:
 
 
 def _sentence(phase: str, rows: list[dict], turned: int | None, threshold: float) -> str:
+    # A level without GPU times has no CPU-bound verdict: it is neither "under" the threshold nor the turn.
+    unknown = [r for r in rows if r["cpu_bound_pct"] is None]
+    if len(unknown) == len(rows):
+        return f"crossover: unknown; no level's {phase} steps have GPU times, so none has a CPU-bound verdict"
+    known = [r for r in rows if r["cpu_bound_pct"] is not None]
+    gaps = "" if not unknown else f"; unknown at {_levels(unknown)} (no GPU times)"
     if turned is None:
-        top = max(rows, key=lambda r: -1.0 if r["cpu_bound_pct"] is None else r["cpu_bound_pct"])
+        top = max(known, key=lambda r: r["cpu_bound_pct"])
+        span = "every level" if not unknown else "every level with GPU times"
         return (
-            f"crossover: none; {phase} steps stay under {threshold:g}% CPU-bound at every level from "
-            f"{rows[0]['concurrency']} to {rows[-1]['concurrency']} requests (most: {_share(top)} at "
-            f"{_where(top)})"
+            f"crossover: none; {phase} steps stay under {threshold:g}% CPU-bound at {span} from "
+            f"{known[0]['concurrency']} to {known[-1]['concurrency']} requests (most: {_share(top)} at "
+            f"{_where(top)}){gaps}"
         )
     row = rows[turned]
-    if turned == 0:
+    before = [r for r in rows[:turned] if r["cpu_bound_pct"] is not None]
+    if not before:
+        lowest = "the lowest level" if turned == 0 else "the lowest level with GPU times"
         return (
-            f"crossover: {phase} steps are CPU-bound from the lowest level on: {_share(row)} of steps at "
-            f"{_where(row)}"
+            f"crossover: {phase} steps are CPU-bound from {lowest} on: {_share(row)} of steps at "
+            f"{_where(row)}{gaps}"
         )
-    before = rows[turned - 1]
     return (
         f"crossover: {phase} steps turn CPU-bound at {_where(row)} ({_share(row)} of steps), from "
-        f"{_share(before)} at {_where(before)}"
+        f"{_share(before[-1])} at {_where(before[-1])}{gaps}"
     )
+
+
+def _levels(rows: list[dict]) -> str:
+    levels = [str(r["concurrency"]) for r in rows]
+    noun = "request" if levels == ["1"] else "requests"
+    return f"{', '.join(levels)} {noun}"
