@@ -386,7 +386,19 @@ def export(
     except ExportError as e:
         raise CliError(str(e)) from None
     unit = "events" if fmt == "chrome" else "rows"
-    print(f"wrote {output} ({fmt}, {count} {unit})", file=sys.stderr)
+    print(f"wrote {output} ({fmt}, {count} {unit}){_why_empty(loaded, what) if not count else ''}",
+          file=sys.stderr)
+
+
+def _why_empty(loaded, what: str) -> str:
+    """Why an exported table has no rows, where the run says (an empty file is easy to take for a bug)."""
+    if what == "kernels":
+        mode = (loaded.meta.get("options") or {}).get("gpu_timing")
+        how = f"recorded with --gpu-timing {mode}" if mode else "no kernel timing"
+        return f"; no kernel records in this run ({how}; kernels and sampled record them, on a CUDA GPU)"
+    if what == "gpu":
+        return "; no GPU intervals in this run (no CUDA device, or --gpu-timing off)"
+    return f"; the run has no {what} in its analysed steps"
 
 
 def _export_dataset(loaded, out: Path, *, cpu_bound_ms: float, cpu_bound_share: float, warmup: int) -> None:

@@ -163,6 +163,10 @@ def test_export_parquet_csv_with_exact_schema(runs, tmp_path):
     gpu = tmp_path / "gpu.parquet"
     assert overshoot("export", runs["a"], "-o", gpu, "--what", "gpu").returncode == 0
     assert pd.read_parquet(gpu)["gpu_ms"].round(6).eq(0.35).all()
+    # an empty table says why it is empty instead of leaving a file of 0 rows to be taken for a bug
+    kernels = overshoot("export", runs["a"], "-o", tmp_path / "k.parquet", "--what", "kernels")
+    assert kernels.returncode == 0 and len(pd.read_parquet(tmp_path / "k.parquet")) == 0
+    assert "(parquet, 0 rows); no kernel records in this run" in kernels.stderr
 
 
 def test_export_chrome_trace_has_engine_and_gpu_tracks(runs, tmp_path):
