@@ -20,7 +20,7 @@ from overshoot.analysis.frames import (
     positions,
     worker_rows,
 )
-from overshoot.analysis.kernels import SOURCES, primary_row
+from overshoot.analysis.kernels import SOURCES, per_group, primary_row
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
     CPU_BOUND_SHARE,
@@ -279,7 +279,13 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
     out["busy_ms_median"] = median["busy_ms"].to_numpy()
     out["wait_ms_median"] = median["wait_ms"].to_numpy()
     out["gpu_ms_median"] = median["gpu_ms"].to_numpy()
-    out["gpu_busy_ms_median"] = median["gpu_busy_ms"].to_numpy()
+    # A group with no instrumented step of its own shows the GPU busy it borrowed (what its idle came from).
+    borrowed_busy = np.full(n_groups, np.nan)
+    if "_gpu_busy_est_ms" in df.columns and (source == SOURCES.index("borrowed")).any():
+        lent = source == SOURCES.index("borrowed")
+        borrowed_busy = per_group(group_id, df["_gpu_busy_est_ms"].to_numpy("float64"), lent, n_groups)[0]
+    out["gpu_busy_ms_median"] = np.where(by_source[:, SOURCES.index("kernels")] > 0,
+                                         median["gpu_busy_ms"].to_numpy(), borrowed_busy)
     out["kernels_median"] = median["kernels"].to_numpy()
     out["launch_ms_median"] = median["launch_ms"].to_numpy()
     out["kernel_steps"] = by_source[:, SOURCES.index("kernels")].astype("int64")
@@ -316,7 +322,7 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
 
 
 # Sources of a step's GPU idle, best first (analysis/kernels.py): a group's share comes from its best one.
-_SOURCES = ("estimate", "kernels", "events")
+_SOURCES = ("estimate", "kernels", "borrowed", "events")
 
 
 def _source_codes(column: pd.Series) -> np.ndarray:
@@ -381,11 +387,13 @@ def _idle_share(df: pd.DataFrame, source: np.ndarray, group_id: np.ndarray, n_gr
 
 
 def _group_timing(by_source: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Per group: "kernels" (every step instrumented), "sampled", "events" or "none"."""
+    """Per group: "kernels" (every step instrumented), "sampled", "borrowed" (no instrumented step of its
+    own: GPU busy of its phase and batch size at other levels), "events" or "none"."""
     kernels = by_source[:, SOURCES.index("kernels")]
+    borrowed = by_source[:, SOURCES.index("borrowed")]
     events = by_source[:, SOURCES.index("events")] + by_source[:, SOURCES.index("estimate")]
-    return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled",
-                    np.where(events > 0, "events", "none"))).astype(object)
+    return np.where(kernels == count, "kernels", np.where(kernels > 0, "sampled", np.where(
+        borrowed > 0, "borrowed", np.where(events > 0, "events", "none")))).astype(object)
 
 
 def aggregate_levels(summary: Summary) -> pd.DataFrame:
@@ -484,6 +492,15 @@ def _notes(full, on_primary, groups, keys, guess: ModeGuess, proj, pid, thread, 
                 f"{row['gpu_idle_pct']:.1f}% of the time between steps: the GPU may be waiting on launches "
                 "inside the steps (launch-bound), which events cannot see"
             )
+    borrowed = [row for row in groups.to_dict("records") if row["gpu_timing"] == "borrowed"]
+    if borrowed:
+        listed = ", ".join(group_title(row, keys) for row in borrowed[:4])
+        more = f" and {len(borrowed) - 4} more" if len(borrowed) > 4 else ""
+        notes.append(
+            f"GPU busy borrowed: {listed}{more} had no kernel-timing window of their own; their GPU busy is "
+            "that of the instrumented steps of the same phase and batch size at other load levels (the same "
+            "shapes on the GPU; context lengths may differ), their GPU idle is step time minus it"
+        )
     if proj.model == "replay":
         notes.append(
             f"what-if: replay of the recorded CPU/GPU dependencies (reproduces the recorded step "

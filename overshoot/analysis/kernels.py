@@ -17,7 +17,8 @@ import pandas as pd
 from overshoot.analysis.frames import group_ids, group_keys, run_starts, str_column, worker_rows
 
 # Where a step's GPU idle comes from, best first (column gpu_timing; docs/concepts.md).
-SOURCES = ("kernels", "estimate", "events", "none")
+SOURCES = ("kernels", "estimate", "borrowed", "events", "none")
+KERNELS, ESTIMATE, BORROWED, EVENTS, NONE = range(len(SOURCES))
 # Launch-to-start latency assumed when no kernel started on an idle GPU (none to measure it from).
 DEFAULT_LATENCY_NS = 5_000.0
 
@@ -247,7 +248,9 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     Per step, the GPU idle that decides the verdict comes from the best source it has (`gpu_timing`):
     "kernels" (instrumented: idle before + the gaps between its kernels), "estimate" (a plain step of a group
     with instrumented steps: its step time minus the group's median GPU busy, since kernel times do not change
-    under instrumentation while step times do), "events" (the GPU idle before the step only: the gaps
+    under instrumentation while step times do), "borrowed" (the same, for a group of a load level with no
+    instrumented step of its own: the median GPU busy of the instrumented steps of its phase and batch size
+    at the other levels, the same shapes on the GPU), "events" (the GPU idle before the step only: the gaps
     inside it are unknown), or "none" (no GPU data: the verdict is unknown, never "CPU-bound").
     """
     n = len(out)
@@ -278,18 +281,26 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     # The verdict's GPU idle by source: codes into SOURCES (a string per row costs a Python object each).
     measured = inst & ~np.isnan(cols["gpu_busy_ms"])
     idle = np.where(measured, np.nan_to_num(before) + np.nan_to_num(cols["gpu_idle_in_step_ms"]), np.nan)
-    source = np.where(measured, 0, 3).astype("int8")
+    source = np.where(measured, KERNELS, NONE).astype("int8")
     # The unit whose instrumented steps stand for its plain ones (GPU busy here, the GPU work's shape and the
-    # collector's cost in whatif.py): concurrency, phase and batch size.
+    # collector's cost in whatif.py): concurrency, phase and batch size; a group without any borrows from
+    # its phase and batch size at the other levels (sampled mode's windows follow shapes, not load levels).
     group = busy_groups(out) if measured.any() else np.full(n, -1, "int64")
-    n_groups = int(group.max(initial=-1)) + 1
-    busy_est = on_rows(group, per_group(group, cols["gpu_busy_ms"], measured, n_groups)[0])
+    busy_est = median_on_rows(group, cols["gpu_busy_ms"], measured)
+    pool = None
+    lacking = ~measured & np.isnan(busy_est) & (group >= 0)
+    if lacking.any() and "concurrency" in group_keys(out):
+        pool = pool_groups(out)
+        pooled = median_on_rows(pool, cols["gpu_busy_ms"], measured)
+        borrowed = lacking & ~np.isnan(pooled)
+        busy_est[borrowed] = pooled[borrowed]
+        source[borrowed] = BORROWED
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
-    source[estimate] = 1
+    source[estimate & (source != BORROWED)] = ESTIMATE
     events = ~measured & ~estimate & ~np.isnan(before)
     idle[events] = before[events]
-    source[events] = 2
+    source[events] = EVENTS
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(step_ms > 0, idle / step_ms, np.nan)
     out["gpu_idle_ms"] = idle
@@ -302,6 +313,8 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     out["_gpu_busy_est_ms"] = busy_est
     if measured.any():  # (without kernel records these would be a million-long -1s and NaNs: 16 MB each)
         out["_busy_group"] = group
+        if pool is not None:
+            out["_busy_pool"] = pool
         plain = np.zeros(n, bool)
         plain[rows] = True
         plain[inst_rows] = False
@@ -338,6 +351,12 @@ def busy_groups(df: pd.DataFrame) -> np.ndarray:
     return group_ids(df, group_keys(df))[0]
 
 
+def pool_groups(df: pd.DataFrame) -> np.ndarray:
+    """Per row: a number for its (phase, batch size) over every load level (busy_groups less the level)."""
+    keys = [k for k in group_keys(df) if k != "concurrency"]
+    return group_ids(df, keys)[0] if keys else np.zeros(len(df), "int64")
+
+
 def per_group(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
               n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """(median, count) of `values` over the `rows` (a mask; NaN values ignored) of each group 0..n_groups-1:
@@ -353,6 +372,12 @@ def per_group(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
         stat = pd.Series(v).groupby(g).median()
         median[stat.index.to_numpy()] = stat.to_numpy("float64")
     return median, count
+
+
+def median_on_rows(group: np.ndarray, values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """On every row: per_group's median of its group (NaN on rows of no group, -1, or of a group without
+    any of `rows`)."""
+    return on_rows(group, per_group(group, values, rows, int(group.max(initial=-1)) + 1)[0])
 
 
 def on_rows(group: np.ndarray, per: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import pandas as pd
 
 from overshoot.analysis import maxplus
 from overshoot.analysis.frames import contains, per_step, positions, run_starts
-from overshoot.analysis.kernels import StepKernels, on_rows, per_group
+from overshoot.analysis.kernels import StepKernels, median_on_rows
 
 # A wait awaits the latest GPU work that ended by the wait's end plus this (CUDA event placement error);
 # a wait no longer than SHORT_WAIT_NS (the thread did not really block) awaits work ended by its start + this.
@@ -221,6 +221,7 @@ class _Plan:
     residual: np.ndarray  # wait end - max(wait start, awaited GPU end): wake-up latency, kept
     fixed_wait: np.ndarray  # duration of waits that await no GPU work (kept as recorded)
     corrected: np.ndarray | None = None  # steps replayed without kernel timing's cost on their launches
+    busy_pool: np.ndarray | None = None  # its phase and batch size at every level, if borrowed (kernels.py)
 
     @cached_property
     def chain_k1(self) -> np.ndarray:
@@ -264,15 +265,17 @@ def _replay_plan(tl: pd.DataFrame, spans: pd.DataFrame | None, kernels: StepKern
     gpu_ns = np.where(has_gpu, g_end - g_start, 0.0)
     del g_start, g_end
     busy_est = np.full(len(tl), np.nan)
-    busy_group = None
+    busy_group = busy_pool = None
     if kernels is not None and "_busy_group" in tl.columns:
         busy_est = np.where(~kernel_step & has_gpu, tl["_gpu_busy_est_ms"].to_numpy(dtype="float64") * 1e6,
                             np.nan)
         busy_group = tl["_busy_group"].to_numpy("int64")
+        if "_busy_pool" in tl.columns:
+            busy_pool = tl["_busy_pool"].to_numpy("int64")
     np.maximum(c0, 0, out=c0)
     np.maximum(c1, 0, out=c1)
     return _Plan(gap, c0, c1, c2, wait_first, gpu_ns, has_gpu, kernels, kernel_step, busy_est, busy_group,
-                 awaited, residual, fixed_wait, corrected)
+                 awaited, residual, fixed_wait, corrected, busy_pool)
 
 
 def _without_collector(kernels: StepKernels, kernel_step: np.ndarray, cost: np.ndarray,
@@ -412,13 +415,16 @@ def _gpu_terms(p: _Plan, *, cpu_scale, gpu_scale) -> tuple[np.ndarray, np.ndarra
 
 def _group_ratio(p: _Plan, chain_k: np.ndarray) -> np.ndarray:
     """Per step: the median, over the instrumented steps of its group, of K at the what-if's scales over K
-    as recorded (NaN: its group has none)."""
+    as recorded; for a group with none, over those of its phase and batch size at the other levels (where
+    it borrowed its GPU busy from); NaN where neither has one."""
     k1 = p.chain_k1
     rows = p.kernel_step & (k1 > 0)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = chain_k / k1
-    medians, _ = per_group(p.busy_group, ratio, rows, int(p.busy_group.max(initial=-1)) + 1)
-    return on_rows(p.busy_group, medians)
+    out = median_on_rows(p.busy_group, ratio, rows)
+    if p.busy_pool is not None:
+        out = np.where(np.isnan(out), median_on_rows(p.busy_pool, ratio, rows), out)
+    return out
 
 
 def _scaled(values: np.ndarray, scale: float | np.ndarray) -> np.ndarray:

@@ -131,6 +131,9 @@ def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     parts.append(f"the thread never waited in {pct(row['thread_never_waited_pct'])}")
     if idle is None:
         parts.append("GPU idle n/a (no GPU times)")
+    elif row.get("gpu_timing") == "borrowed":
+        parts.append(f"GPU idle {pct(idle)} (between and inside steps, from GPU busy "
+                     f"{fmt_num(row.get('gpu_busy_ms_median'))} ms a step borrowed from other levels)")
     elif inside is None:
         parts.append(f"GPU idle {pct(idle)} (between steps; inside them unknown: CUDA events only)")
     else:
