@@ -10,10 +10,15 @@ is stored (`Recorder.kernel_window`) so the analyzer knows which steps were inst
 Modes: "kernels" records every step (one window for the whole run). "sampled" records windows of
 `window_steps` steps and spaces them so that what a window costs (the measured slowdown of its steps and the
 time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
-that slows eager steps 3x gets windows far apart, one that costs 3% gets them often); a window also opens
+that slows eager steps 3x gets windows far apart, one that costs 3% gets them often). A window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
-every group of a load sweep gets kernel data (the first window, which usually falls in the engine's
-warm-up, marks no group as seen). In both modes the collector's once-a-process set-up
+that the groups of a load sweep get kernel data of their own; such a window is shortened (to as few as one
+step) or left out so that what every window cost so far stays within 1.5 times the budget of the run's time,
+and a regular window waits until the total is back within the budget: with a costly collector a sweep of
+many groups would otherwise pay a window a group (seen on a virtual sweep: 3% at a 0.5% budget, a collector
+slowing steps 4x). The first window, opened as soon as the collector is ready (usually in the engine's
+warm-up), is a probe of `probe_steps` that measures the cost and marks no group as seen. In both modes the
+collector's once-a-process set-up
 (`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the engine
 thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets the
 instrumented steps against to measure the collector's own cost per launch call.
@@ -42,6 +47,9 @@ from overshoot.record.errors import KernelTimingError
 __all__ = ["Collector", "KernelSampler", "KernelTimingError", "cupti_collector", "unavailable_reason"]
 
 TIMING_LABEL = "overshoot:kernel-timing"
+# Early windows (a group's first) may run what all windows cost up to this many times the budget; regular
+# windows then wait until it is back within the budget.
+EARLY_ALLOWANCE = 1.5
 
 
 class Recorder(Protocol):
@@ -88,13 +96,14 @@ class KernelSampler:
     def __init__(self, recorder: Recorder, collector: Collector, *, mode: str = "sampled",
                  window_steps: int = 8, min_gap: int = 64, budget: float = 0.005,
                  drain_seconds: float = 0.5, fence: Callable[[], Callable[[], bool] | None] | None = None,
-                 close_steps: int = 16):
+                 close_steps: int = 16, probe_steps: int = 3):
         if mode not in ("kernels", "sampled"):
             raise ValueError(f"kernel timing mode must be kernels or sampled, not {mode!r}")
         self.recorder = recorder
         self.collector = collector
         self.mode = mode
         self.window_steps = window_steps
+        self.probe_steps = max(2, min(probe_steps, window_steps))  # two: the first carries the switch
         self.min_gap = min_gap
         self.budget = budget
         self.fence = fence  # () -> done() of the GPU work launched so far, or None (no GPU to wait for)
@@ -112,6 +121,16 @@ class KernelSampler:
         self._spans: list[list[float]] = []
         self._window_start = 0
         self._steps_in_window = 0
+        self._window_len = window_steps  # steps of the window open now (a probe or an early one: fewer)
+        # The run's account (host ns): its time from the first step boundary, what the windows before the
+        # last one cost, and the last one's cost in two parts (per instrumented step, and its switches and
+        # the steps after it) as last measured; None until a window was measured.
+        self._t0 = 0
+        self._spent_ns = 0.0
+        self._window_cost_ns = 0.0
+        self._per_step_ns: float | None = None
+        self._fixed_ns = 0.0
+        self._unpriced: dict[int, int] = {}  # steps of each window closed before any cost could be measured
         self._steps_since = 0  # steps since the last window closed
         self._gap = min_gap
         self._last_t = 0
@@ -162,6 +181,8 @@ class KernelSampler:
         key, self._key = self._key, (phase, batch_size)  # the step that ends at `t`, the one that starts
         if ended is not None:
             key = ended
+        if not self._t0:
+            self._t0 = t
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
             if self._last_t:  # a step still under the collector is neither plain nor inside a window
                 self._after.append((t - self._last_t, key))
@@ -186,23 +207,46 @@ class KernelSampler:
             # groups it saw still get a window once they run for real.
             if self.windows > 1:
                 self._seen.add(key)  # the step that ran inside the window
-            if self.mode == "kernels" or self._steps_in_window <= self.window_steps:
+            if self.mode == "kernels" or self._steps_in_window <= self._window_len:
                 return t
             return self._close_window(t)
         self._steps_since += 1
-        if self.windows and self._steps_since < self._gap:  # (the first window opens once it can)
-            if self._steps_since < self.min_gap:
-                return t
-            # Due early when the starting step's group had no window yet. Its facts may be unknown still
-            # (the hooks give them inside the step): then the step before's group, which a served engine
-            # changes seldom from one step to the next.
-            coming = (phase, batch_size) if phase is not None or batch_size is not None else key
-            if coming in self._seen:
+        length = self.window_steps if self.windows else self.probe_steps  # (the first opens once it can)
+        if self.windows:
+            if self._steps_since < self._gap:
+                if self._steps_since < self.min_gap:
+                    return t
+                # Due early when the starting step's group had no window yet. Its facts may be unknown still
+                # (the hooks give them inside the step): then the step before's group, which a served engine
+                # changes seldom from one step to the next.
+                coming = (phase, batch_size) if phase is not None or batch_size is not None else key
+                if coming in self._seen:
+                    return t
+                length = self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
+            else:
+                length = self._affordable(t, allowance=1.0)
+            if length < 1:
                 return t
         if self._prepared.is_set():
             self._steps_in_window = 1
+            self._window_len = length
             return self._open_window(t)
         return t
+
+    def _affordable(self, t: int, *, allowance: float, share: float = 1.0) -> int:
+        """Steps of a window (up to window_steps) that keep what every window cost, this one as the last
+        measured one costs, within `allowance` x budget of the run's time so far, using at most `share` of
+        what is left (an early window leaves some for the next new group); 0: none."""
+        if self._per_step_ns is None:  # no window's cost measured yet: another probe
+            return self.probe_steps
+        # (this window's switches and the steps after it: as the last one's)
+        spent = self._spent_ns + self._window_cost_ns + self._fixed_ns
+        room = allowance * self.budget * (t - self._t0) - spent
+        if room <= 0:
+            return 0
+        if self._per_step_ns <= 0:
+            return self.window_steps
+        return min(self.window_steps, int(share * room / self._per_step_ns))
 
     def _count_step(self, duration: int, key: tuple) -> None:
         """A step inside a window, or just after one; plain steps are counted in at_step."""
@@ -256,6 +300,8 @@ class KernelSampler:
         self._window_start = t_after
         self._spans.append([t_after, math.inf, math.inf])
         self.windows += 1
+        self._spent_ns += self._window_cost_ns  # the window before is paid for
+        self._window_cost_ns = 0.0
         self._inside, self._after, self._after_left = [], [], 0
         self._switch_ns = max(0, t_after - t - setup)
         return self._after_switch(t, t_after)
@@ -333,13 +379,22 @@ class KernelSampler:
             return self.min_gap
         medians = {key: statistics.median(d) for key, d in self._plain_of.items() if d}
         slowed = [d / medians[key] for d, key in inside if medians.get(key)]
-        ratio = max(statistics.median(slowed) - 1.0, 0.0) if slowed else 0.0
+        # (a window with no step to measure, e.g. of a kind with no plain step yet: the last ratio stands)
+        ratio = max(statistics.median(slowed) - 1.0, 0.0) if slowed else (self.cost_ratio or 0.0)
         self.cost_ratio = ratio
         after_ns = max(0.0, sum(d - medians[key] for d, key in self._after if medians.get(key)))
         # this window's records may not be parsed yet: the earlier windows' parses stand in for them
         parsed = [cpu for w, cpu in list(self._drain_cpu_by_window.items()) if w < self.windows]
         drain_ns = statistics.median(parsed) if parsed and self.mode == "sampled" else 0
-        cost_ns = len(inside) * ratio * plain + self._switch_ns + max(after_ns, drain_ns)
+        self._fixed_ns = self._switch_ns + max(after_ns, drain_ns)
+        if slowed or self._per_step_ns is not None:
+            if self._per_step_ns is None:  # the windows before had nothing to measure against: priced now
+                self._spent_ns += sum(self._unpriced.values()) * ratio * plain
+            self._per_step_ns = ratio * plain
+        else:
+            self._unpriced[self.windows] = len(self._inside)
+        # every step of the window ran under the collector (the first is left out of the ratio only)
+        cost_ns = self._window_cost_ns = len(self._inside) * ratio * plain + self._fixed_ns
         return max(self.min_gap, int(cost_ns / (self.budget * plain)))
 
     # ---- drain thread ----
@@ -450,7 +505,10 @@ class KernelSampler:
             pass
 
     def info(self) -> dict:
+        spent = self._spent_ns + self._window_cost_ns
+        run_ns = (self._last_t - self._t0) if self._t0 and self._last_t else 0
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
+                "cost_pct": 100.0 * spent / run_ns if run_ns > 0 and self.mode == "sampled" else None,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
                 "prepare_ms": self.prepare_ns / 1e6,

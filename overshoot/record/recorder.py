@@ -426,14 +426,16 @@ class Recorder(RecorderCore):
             self.start_kernel_timing()
         return True
 
-    def start_kernel_timing(self, collector=None) -> None:
-        """Start kernel timing (`gpu_timing` "kernels" or "sampled") with `collector` (default: CUPTI).
-        A collector that cannot start is noted in the process info; events still work."""
+    def start_kernel_timing(self, collector=None, **sampling) -> None:
+        """Start kernel timing (`gpu_timing` "kernels" or "sampled") with `collector` (default: CUPTI);
+        `sampling`: KernelSampler's window_steps, min_gap, budget. A collector that cannot start is noted in
+        the process info; events still work."""
         from overshoot.record.kernel_timing import KernelSampler, KernelTimingError, cupti_collector
 
         try:
             collector = collector or cupti_collector()
-            self._sampler = KernelSampler(self, collector, mode=self.gpu_timing, fence=self._gpu_fence)
+            self._sampler = KernelSampler(self, collector, mode=self.gpu_timing, fence=self._gpu_fence,
+                                          **sampling)
             self._io.info["kernel_timing"] = {"mode": self.gpu_timing, "collector": collector.describe()}
         except KernelTimingError as e:
             self._io.note_error(f"kernel timing off: {e}")
