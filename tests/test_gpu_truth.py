@@ -258,3 +258,28 @@ def test_a_level_without_a_window_borrows_gpu_busy_from_its_shape_at_another_lev
     verdict = build_report(run)["groups"][1]["verdict"]
     assert f"GPU idle {level2['gpu_idle_pct']:.0f}% (between and inside steps, from GPU busy" in verdict
     assert "borrowed from other levels" in verdict and "CUDA events only" not in verdict
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_group_with_too_few_instrumented_steps_takes_the_collectors_cost_measured_on_the_others(
+        tmp_path, mode):
+    """CUPTI lengthens each launch call inside windows by 6 µs. Level 1 has two windows of 10 steps, so its
+    group measures that; level 2's only window is 2 steps (an early one, shortened to the budget), too few
+    to measure, so it takes level 1's figure: its instrumented steps are replayed as the engine runs
+    unobserved and its what-ifs match the reruns (uncorrected, the mixed sync step's 10% faster kernels read
+    about 0 against -7.9%: its two instrumented steps look launch-bound)."""
+    params = CASES["mixed"]
+    inside = np.zeros(300, bool)
+    spans = [(10, 19), (70, 79), (200, 201)]
+    for first, last in spans:
+        inside[first:last + 1] = True
+    recorded = simulate_kernel_timeline(300, mode=mode, collector_us=6.0, instrumented=inside, **params)
+    starts, ends = recorded.frames.steps["start_ns"].to_numpy(), recorded.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[first]), int(ends[last])) for first, last in spans]
+    levels = [{"concurrency": 1, "start_ns": int(starts[0]), "end_ns": int(starts[150])},
+              {"concurrency": 2, "start_ns": int(starts[150]), "end_ns": int(ends[-1]) + 1}]
+    run = load_run(write_kernel_run(tmp_path / mode, recorded, windows=windows, meta={"levels": levels}))
+    summary = summarize(run, what_ifs=[GPU_FASTER, CPU_FASTER])
+    level2 = summary.groups.iloc[1]
+    assert (level2["concurrency"], level2["gpu_timing"], level2["kernel_steps"]) == (2, "sampled", 2)
+    _assert_what_ifs_match_reruns(level2, simulate_kernel_timeline(300, mode=mode, **params), mode, params)

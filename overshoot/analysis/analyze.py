@@ -435,8 +435,8 @@ def _collector_notes(primary: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     if cost is not None and not np.isnan(cost).all():
         us = np.nanmedian(cost) / 1e3
         notes.append(f"what-if: kernel timing made each launch call {us:.1f} µs longer (CPU busy of "
-                     "instrumented against plain steps, per group); the replay takes that out of the "
-                     "instrumented steps")
+                     "instrumented against plain steps, per group; a group with too few of either takes "
+                     "the median of those measured); the replay takes that out of the instrumented steps")
     every = int((groups["gpu_timing"] == "kernels").sum()) if "gpu_timing" in groups.columns else 0
     if every:
         notes.append(f"what-if: every step of {every} group(s) was instrumented, so what kernel timing "

@@ -332,10 +332,13 @@ MIN_STEPS_FOR_COST = 5
 def collector_cost(group: np.ndarray, busy_ns: np.ndarray, measured: np.ndarray, plain: np.ndarray,
                    launches: np.ndarray) -> np.ndarray:
     """Per row: what kernel timing added to each launch call of its group's instrumented steps (ns), from
-    the group's median CPU busy inside windows and outside them, over its median launch calls a step
-    (NaN: the group lacks MIN_STEPS_FOR_COST of either, as in kernels mode where every step is
-    instrumented). CUPTI's callbacks run inside the launch calls, so the whole difference is put there;
-    whatever else slows an instrumented step (the drain thread taking the GIL) is counted with it."""
+    the group's median CPU busy inside windows and outside them, over its median launch calls a step.
+    CUPTI's callbacks run inside the launch calls, so the whole difference is put there; whatever else
+    slows an instrumented step (the drain thread taking the GIL) is counted with it. A group with
+    instrumented steps but fewer than MIN_STEPS_FOR_COST of either kind (a sampled group's early window
+    may be one step) takes the median of the groups that have them: the cost is the collector's, a call
+    costs it about the same whatever the batch. NaN where no group has enough, as in kernels mode where
+    every step is instrumented."""
     n_groups = int(group.max(initial=-1)) + 1
     inside, n_inside = per_group(group, busy_ns, measured, n_groups)
     outside, n_outside = per_group(group, busy_ns, plain, n_groups)
@@ -343,7 +346,8 @@ def collector_cost(group: np.ndarray, busy_ns: np.ndarray, measured: np.ndarray,
     with np.errstate(divide="ignore", invalid="ignore"):
         cost = np.maximum(inside - outside, 0.0) / calls
     enough = (n_inside >= MIN_STEPS_FOR_COST) & (n_outside >= MIN_STEPS_FOR_COST) & (calls > 0)
-    return on_rows(group, np.where(enough, cost, np.nan))
+    shared = float(np.median(cost[enough])) if enough.any() else np.nan
+    return on_rows(group, np.where(enough, cost, np.where(n_inside > 0, shared, np.nan)))
 
 
 def busy_groups(df: pd.DataFrame) -> np.ndarray:
