@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from overshoot.analysis import labels, sweep
+from overshoot.analysis import idle, labels, sweep
 from overshoot.analysis.analyze import Summary
 from overshoot.report.fmt import fmt_num, pct, report_table
 
@@ -28,15 +28,34 @@ def status_line(status: str | None) -> str | None:
 
 
 def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
-    """Adds each group's busy time by label (key busy_by_label) to the report's group dicts."""
+    """Adds each group's busy time by label (key busy_by_label) and GPU idle by host work (key
+    gpu_idle_by_label: empty without kernel records) to the report's group dicts."""
     spans = run.spans
+    pid, thread = summary.primary
     if spans is not None and len(spans):
-        pid, thread = summary.primary
         mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
         spans = spans if mine.all() else spans[mine]
     split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
-    for group, rows in zip(groups, split, strict=True):
+    idle_split = _idle_by_label(run, summary, spans, pid)
+    for group, rows, idle_rows in zip(groups, split, idle_split, strict=True):
         group["busy_by_label"] = rows
+        group["gpu_idle_by_label"] = idle_rows
+
+
+def _idle_by_label(run, summary: Summary, spans, pid: int) -> list[list[dict]]:
+    """GPU idle by host work per group, from the kernels the primary timeline's process launched (another
+    process's kernels ran on another GPU, or were launched by a thread these spans do not describe)."""
+    kernels = getattr(run, "kernels", None)
+    n = len(summary.groups)
+    if kernels is None or len(kernels) == 0 or len(summary.steps) == 0:
+        return [[] for _ in range(n)]
+    own = kernels["pid"].to_numpy() == pid
+    if not own.all():
+        kernels = kernels[own]
+    steps = summary.steps.sort_values("start_ns", kind="stable").reset_index(drop=True)
+    group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys)
+    return idle.group_idle_by_label(steps, spans, kernels, getattr(run, "kernel_windows", None),
+                                    group_of_step, n)
 
 
 def levels(summary: Summary, client: list[dict]) -> list[dict]:
@@ -80,6 +99,30 @@ def render_by_label(report: dict, console: Console) -> None:
             }
         cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
         table.add_row(g["title"], fmt_num(g["busy_ms_median"]), *cells)
+    console.print(table)
+    render_idle_by_label(report, console)
+
+
+def render_idle_by_label(report: dict, console: Console) -> None:
+    """GPU idle by host work: what the engine thread was in while the GPU idled (instrumented steps)."""
+    groups = [g for g in report["groups"] if g.get("gpu_idle_by_label")]
+    if not groups:
+        console.print("GPU idle by host work: no kernel records (record with --gpu-timing sampled or "
+                      "kernels)", highlight=False)
+        return
+    weight: dict[str, float] = {}
+    for g in groups:
+        for r in g["gpu_idle_by_label"]:
+            weight[r["label"]] = weight.get(r["label"], 0.0) + r["ms"] * g["steps"]
+    names = sorted(weight, key=lambda k: -weight[k])[:MAX_LABEL_COLUMNS]
+    table = report_table("GPU idle by host work, instrumented steps: ms a step (share of the GPU idle)")
+    table.add_column("group", justify="left", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right", overflow="fold")
+    for g in groups:
+        by = {r["label"]: r for r in g["gpu_idle_by_label"]}
+        cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
+        table.add_row(g["title"], *cells)
     console.print(table)
 
 

@@ -1,4 +1,5 @@
-"""The report's top lines: per group, is it CPU-bound and by how much, which labelled CPU work fills it, and
+"""The report's top lines: per group, is it CPU-bound and by how much, which labelled CPU work fills it (or,
+with kernel records, what the thread was in while the GPU idled), and
 the change with the largest projected gain (from the what-ifs the report ran). Before the table, so the
 answer to "what do I change?" comes first; the table and the notes hold the evidence.
 
@@ -35,7 +36,11 @@ def _line(g: dict, what_ifs: list[str]) -> str:
         where = "" if inside is not None else " between steps (inside them unknown)"
         parts.append(f"the GPU idles {pct(idle)} of each step{where}")
     label = _dominant_label(g)
-    if bound and label:
+    starved_in = max(g.get("gpu_idle_by_label") or [], key=lambda r: r["share_pct"], default=None)
+    if bound and starved_in:  # kernel records: what the thread did while the GPU waited, not only its busy
+        parts.append(f"the GPU idles most while the thread is in '{starved_in['label']}' "
+                     f"({pct(starved_in['share_pct'])} of its idle)")
+    elif bound and label:
         parts.append(f"'{label['label']}' is {pct(label['share_pct'])} of CPU busy")
     best = _best_change(g, what_ifs)
     if best:

@@ -1,0 +1,114 @@
+"""GPU idle by host work (overshoot/analysis/idle.py) against a truth painted instant by instant: on timelines
+whose kernels and spans are set (tests/run_factory), each microsecond is marked GPU-busy by every kernel
+interval and given the label of the innermost span over it; the report's split of the GPU idle by label
+must match that painting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from run_factory import simulate_kernel_timeline, write_kernel_run
+from test_gpu_truth import CASES
+
+from overshoot.report.table import build_report
+from overshoot.rundir.reader import load_run
+
+GRID_NS = 1_000
+
+
+def painted(timeline, spans: pd.DataFrame, *, steps: slice) -> dict[str, float]:
+    """GPU idle ns per label over the given steps, between the first kernel's start and the last one's end
+    (what kernel records can tell), by painting a 1 µs grid."""
+    table = timeline.kernels
+    start = int(table["gpu_start_ns"].min())
+    end = int(table["gpu_end_ns"].max())
+    n = (end - start) // GRID_NS
+    busy = np.zeros(n, bool)
+    for s, e in zip(table["gpu_start_ns"], table["gpu_end_ns"], strict=True):
+        busy[(s - start) // GRID_NS:(e - start) // GRID_NS] = True
+    label = np.full(n, "untracked", dtype=object)
+    wait_depth = np.zeros(n, bool)
+    # outer spans first, so the inner ones paint over them; inside a wait everything stays the wait
+    order = spans.assign(end=spans["start_ns"] + spans["dur_ns"]).sort_values(["start_ns", "end"],
+                                                                              ascending=[True, False])
+    for row in order.itertuples(index=False):
+        lo, hi = max((row.start_ns - start) // GRID_NS, 0), max((row.end - start) // GRID_NS, 0)
+        name = f"wait:{row.label}" if row.kind == "wait" else row.label
+        free = ~wait_depth[lo:hi]
+        label[lo:hi][free] = name
+        if row.kind == "wait":
+            wait_depth[lo:hi] = True
+    steps_frame = timeline.frames.steps.iloc[steps]
+    t = start + np.arange(n) * GRID_NS
+    inside = (t >= steps_frame["start_ns"].iloc[0]) & (t < steps_frame["end_ns"].iloc[-1])
+    out: dict[str, float] = {}
+    for name in set(label[~busy & inside]):
+        out[name] = float(((label == name) & ~busy & inside).sum() * GRID_NS)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("case", ["launch-bound", "mixed", "gpu-bound"])
+def test_gpu_idle_by_host_work_matches_a_painted_truth(tmp_path, case, mode):
+    timeline = simulate_kernel_timeline(120, mode=mode, **CASES[case])
+    spans = timeline.frames.spans
+    # a nested span: "sample" fills the first half of every update span
+    updates = spans[spans["label"] == "update"]
+    nested = updates.assign(label="sample", dur_ns=updates["dur_ns"] // 2)
+    timeline.frames.spans = pd.concat([spans, nested], ignore_index=True).sort_values("start_ns",
+                                                                                       kind="stable")
+    run = load_run(write_kernel_run(tmp_path / f"{case}-{mode}", timeline))
+    (group,) = build_report(run)["groups"]
+    got = {r["label"]: r for r in group["gpu_idle_by_label"]}
+    # (the first step's idle before its first kernel and the last one's after its last are unknown to kernel
+    # records: both are left out whole)
+    truth = painted(timeline, timeline.frames.spans, steps=slice(1, 119))
+    steps = 118
+    total = sum(truth.values())
+    for name, ns in truth.items():
+        if ns / steps < 1_000:  # under 1 µs a step: the grid's resolution
+            continue
+        assert name in got, (name, got)
+        assert got[name]["ms"] * 1e6 == pytest.approx(ns / steps, abs=1_500), name
+        assert got[name]["share_pct"] == pytest.approx(100 * ns / total, abs=1.0), name
+    if total / steps < 1_000:  # GPU-bound and async: the GPU never idles, and nothing is split
+        assert got == {}, got
+        return
+    assert sum(r["share_pct"] for r in got.values()) == pytest.approx(100.0, abs=1e-6)
+    if case == "launch-bound":  # the GPU waits on the launch calls: their label leads
+        assert group["gpu_idle_by_label"][0]["label"] == "launch"
+        assert group["gpu_idle_by_label"][0]["share_pct"] > 45  # 0.3 of its 0.4 ms, of ~0.6 ms idle
+
+
+def test_only_known_idle_is_split_and_a_run_without_kernels_says_so(tmp_path):
+    """Windows of 10 steps: only the gaps inside a window count, in its steps between the first and the last
+    (the GPU's state before and after was not recorded); per step, the figures equal the whole run's. Without
+    kernel records the key is empty and --by-label says why."""
+    import json
+    import subprocess
+    import sys
+
+    timeline = simulate_kernel_timeline(200, mode="async", **CASES["launch-bound"])
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[i]), int(ends[i + 9])) for i in (20, 120)]
+    run = load_run(write_kernel_run(tmp_path / "sampled", timeline, windows=windows))
+    (group,) = build_report(run)["groups"]
+    whole = load_run(write_kernel_run(tmp_path / "whole", simulate_kernel_timeline(
+        200, mode="async", **CASES["launch-bound"])))
+    (every,) = build_report(whole)["groups"]
+    by = {r["label"]: r["ms"] for r in group["gpu_idle_by_label"]}
+    by_every = {r["label"]: r["ms"] for r in every["gpu_idle_by_label"]}
+    assert by.keys() == by_every.keys()
+    for label, ms in by_every.items():  # the same steady steps, a step at a time
+        assert by[label] == pytest.approx(ms, abs=0.002), label
+    events = tmp_path / "events"
+    from run_factory import write_run
+
+    write_run(events, timeline.frames)
+    command = [sys.executable, "-m", "overshoot", "report", str(events), "--by-label"]
+    result = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["groups"][0]["gpu_idle_by_label"] == []
+    text = subprocess.run(command, capture_output=True, text=True).stdout
+    assert "GPU idle by host work: no kernel records" in text
