@@ -4,6 +4,7 @@ spec on the real reference engine. Recording goes through the real Recorder and 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -577,7 +578,7 @@ def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_p
     recorder, engine exceptions every seventh step, the cyclic collector run often, a flush per 64 spans.
     Every thread's steps and spans are recorded, nothing crashes, and the recorders close cleanly."""
     code = textwrap.dedent(f"""
-        import gc, sys, threading
+        import gc, json, sys, threading
         sys.path[:0] = [{str(REPO / "tests")!r}, {str(tmp_path)!r}]
         import {toy} as m
         from engine_hooks import install
@@ -598,6 +599,13 @@ def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_p
             return real_launch(self, batch)
         m.Engine.launch = flaky  # before install: the hooks wrap it
         install(toy_spec("{toy}"), recorder_factory=factory)
+        counted = {{}}  # the truth: collections each thread ran once its recorder existed
+        def count(phase, info):
+            me = threading.get_ident()
+            if phase == "stop" and any(rec._owner == me for rec in list(opened)):
+                name = threading.current_thread().name
+                counted[name] = counted.get(name, 0) + 1
+        gc.callbacks.insert(0, count)
         def work(n):
             engine = m.Engine()
             for i in range(300):
@@ -616,7 +624,7 @@ def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_p
             t.join()
         for rec in opened:
             rec.close()
-        print(len(opened))
+        print(len(opened), json.dumps(counted))
     """)
     from overshoot.record import hotpath
 
@@ -625,9 +633,15 @@ def test_threads_exceptions_and_collections_under_the_debug_allocator(toy, tmp_p
     done = subprocess.run([sys.executable, "-X", "dev", "-c", code, str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=REPO, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["4"]
+    opened, counted = done.stdout.split(maxsplit=1)
+    assert opened == "4"
     run = load_run(tmp_path / "run")
     assert sorted(run.steps.groupby("thread").size().tolist()) == [300] * 4
     busy = run.spans[run.spans.kind == "busy"].groupby("label").size().to_dict()
+    # every collection a thread ran (its gc.collect() calls, those a busy collector skipped aside, and the
+    # automatic ones), as a python:gc span in its own recorder and in no other
+    collections = run.spans[run.spans.label == "python:gc"].groupby("thread").size().to_dict()
+    assert collections == json.loads(counted) and sum(collections.values()) >= 6, (collections, counted)
+    del busy["python:gc"]
     assert busy == {"launch": 4 * 300, "schedule": 4 * 300}  # a launch that raised still closed its span
     assert (run.spans.kind == "wait").sum() == 4 * (300 - 300 // 7)  # its step awaited nothing

@@ -45,6 +45,7 @@ from overshoot.record.core import (
     WORK_IN_WAIT_NS,
     PyRecorderCore,
 )
+from overshoot.record.gc_spans import GC_LABEL, GcSpans
 from overshoot.record.nvtx import make_ranges
 from overshoot.record.scopes import (
     BUSY,
@@ -104,7 +105,7 @@ class Recorder(RecorderCore):
         "run_dir", "engine", "flush_steps", "tag", "__weakref__", "_idle_flush_ns", "_owner", "_io",
         "_w_steps", "_w_spans", "_w_gpu", "_ring_rows", "_flush_lock", "_flushing_ident", "_paused_at",
         "_closed", "_k_lock", "_kw_lock", "_k_batches", "_k_rows", "_k_windows", "gpu_timing", "busy",
-        "_wait_scopes", "_idle_scope",
+        "_wait_scopes", "_idle_scope", "_gc",
     )
 
     def __init__(
@@ -200,6 +201,7 @@ class Recorder(RecorderCore):
         self._k_windows: list[tuple[int, int]] = []
         self._sampler = None  # record/kernel_timing.KernelSampler, started with the CUDA ring
 
+        self._gc = GcSpans(self, self._owner)  # the thread's garbage collections, as python:gc spans
         self._flush_lock = threading.Lock()
         self._flushing_ident: int | None = None
         self._last_flush_ns = perf_counter_ns()
@@ -487,15 +489,18 @@ class Recorder(RecorderCore):
         # Kernel records are normally written by the drain thread that delivers them (write_kernels): the
         # engine thread's flush writes only what it finds pending, and never waits for that thread's write.
         self.write_kernels(wait=drain or not owner)
+        gc_rows = self._gc.take()
+        gc_spans = (([r[0] for r in gc_rows], [BUSY] * len(gc_rows), [GC_LABEL] * len(gc_rows),
+                     [r[1] for r in gc_rows], [r[2] for r in gc_rows]) if gc_rows else ([],) * 5)
         if not self._closed:
             self._io.write_chunk(
                 steps=(self._s_step[w_steps:n_steps], self._s_start[w_steps:n_steps],
                        self._s_end[w_steps:n_steps], self._s_wait[w_steps:n_steps],
                        self._s_batch[w_steps:n_steps], self._s_tokens[w_steps:n_steps],
                        self._s_phase[w_steps:n_steps], self._s_facts[w_steps:n_steps]),
-                spans=(self._p_step[w_spans:n_spans], self._p_kind[w_spans:n_spans],
-                       self._p_label[w_spans:n_spans], self._p_start[w_spans:n_spans],
-                       self._p_dur[w_spans:n_spans]),
+                spans=tuple(_joined(column[w_spans:n_spans], rows) for column, rows in zip(
+                    (self._p_step, self._p_kind, self._p_label, self._p_start, self._p_dur), gc_spans,
+                    strict=True)),
                 gpu=tuple(_joined(column[w_gpu:n_gpu], rows) for column, rows in
                           zip((self._g_step, self._g_start, self._g_end), gpu_rows, strict=True)),
             )
@@ -533,6 +538,7 @@ class Recorder(RecorderCore):
                 return
             self._flushing_ident = threading.get_ident()
             try:
+                self._gc.stop()
                 self._flush_locked(owner=threading.get_ident() == self._owner, drain=drain)
                 self._closed = True
                 if self._sampler is not None:
