@@ -260,7 +260,10 @@ def test_a_level_without_a_window_borrows_gpu_busy_from_its_shape_at_another_lev
                for note in summary.notes)
     from overshoot.report.table import build_report
 
-    verdict = build_report(run)["groups"][1]["verdict"]
+    report = build_report(run)
+    assert "GPU busy" in report["groups"][0]["verdict"]
+    assert "sampled: 20 of 150 steps instrumented" in report["groups"][0]["verdict"]
+    verdict = report["groups"][1]["verdict"]
     assert f"GPU idle {level2['gpu_idle_pct']:.0f}% (between and inside steps, from GPU busy" in verdict
     assert "borrowed from other levels" in verdict and "CUDA events only" not in verdict
 

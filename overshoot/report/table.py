@@ -138,8 +138,11 @@ def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
         parts.append(f"GPU idle {pct(idle)} (between steps; inside them unknown: CUDA events only)")
     else:
         busy = row.get("gpu_busy_ms_median")
+        source = row["gpu_timing"]
+        if source == "sampled":  # how much kernel data the figures rest on
+            source = f"sampled: {row.get('kernel_steps')} of {row['steps']} steps instrumented"
         parts.append(f"GPU idle {pct(idle)} ({pct(inside)} inside steps, GPU busy {fmt_num(busy)} ms a "
-                     f"step, {row['gpu_timing']})")
+                     f"step, {source})")
     for w in what_ifs:
         change = row["what_if_pct"][w.label]
         if change is not None:
