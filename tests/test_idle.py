@@ -112,3 +112,27 @@ def test_only_known_idle_is_split_and_a_run_without_kernels_says_so(tmp_path):
     assert json.loads(result.stdout)["groups"][0]["gpu_idle_by_label"] == []
     text = subprocess.run(command, capture_output=True, text=True).stdout
     assert "GPU idle by host work: no kernel records" in text
+
+
+def test_compare_sets_the_idle_split_of_two_runs_side_by_side(tmp_path):
+    """Launch calls of 20 µs against 10 µs, each enqueuing a 5 µs kernel: the GPU idles 15 µs against 5 µs in
+    each of the step's 20 launch calls, 0.3 against 0.1 ms a step in 'launch'; the comparison shows both."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    dirs = []
+    for name, launch_us in (("slow", 20.0), ("fast", 10.0)):
+        params = {**CASES["launch-bound"], "launch_us": launch_us}
+        timeline = simulate_kernel_timeline(120, mode="sync", **params)
+        dirs.append(str(write_kernel_run(tmp_path / name, timeline)))
+    command = [sys.executable, "-m", "overshoot", "report", dirs[0], "--compare", dirs[1], "--by-label"]
+    result = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["compare"]
+    launch = next(r for r in row["gpu_idle_by_label"] if r["label"] == "launch")
+    assert launch["a"] == pytest.approx(0.3, abs=0.002) and launch["b"] == pytest.approx(0.1, abs=0.002)
+    assert launch["delta"] == pytest.approx(-66.7, abs=1.0)
+    text = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert "GPU idle in: launch" in text.stdout, text.stdout

@@ -67,15 +67,17 @@ def compare(a: dict, b: dict, *, samples_a: list | None = None, samples_b: list 
                 "interval": list(interval) if interval else None,
                 "beyond_noise": noise.beyond_noise(interval),
             }
-        row["busy_by_label"] = _labels(ga, gb)
+        row["busy_by_label"] = _labels(ga, gb, "busy_by_label")
+        row["gpu_idle_by_label"] = _labels(ga, gb, "gpu_idle_by_label")
         rows.append(row)
     return rows
 
 
-def _labels(ga: dict | None, gb: dict | None) -> list[dict]:
-    """Per label of either group: ms of the median busy in A and B, and the relative delta."""
-    by_a = {r["label"]: r["ms"] for r in (ga or {}).get("busy_by_label") or []}
-    by_b = {r["label"]: r["ms"] for r in (gb or {}).get("busy_by_label") or []}
+def _labels(ga: dict | None, gb: dict | None, key: str) -> list[dict]:
+    """Per label of either group's `key` split (busy_by_label: ms of the median busy; gpu_idle_by_label: GPU
+    idle ms a step while the thread was in it): A, B and the relative delta."""
+    by_a = {r["label"]: r["ms"] for r in (ga or {}).get(key) or []}
+    by_b = {r["label"]: r["ms"] for r in (gb or {}).get(key) or []}
     names = [*by_a, *(n for n in by_b if n not in by_a)]
     return [
         {"label": n, "a": by_a.get(n), "b": by_b.get(n), "delta": _delta(by_a.get(n), by_b.get(n), True)}
@@ -139,9 +141,10 @@ def render_compare(a: dict, b: dict, rows: list[dict], console: Console, *, by_l
             lines.append((label, fmt_num(v["a"], fmt), fmt_num(v["b"], fmt), signed(v["delta"], ".1f", unit),
                           *_noise_cells(v, unit)))  # fmt: skip
         if by_label:
-            for item in r["busy_by_label"]:
-                lines.append((f"  busy: {item['label']}", fmt_num(item["a"]), fmt_num(item["b"]),
-                              signed(item["delta"], ".1f", "%"), "", ""))  # fmt: skip
+            for key, what in (("busy_by_label", "busy"), ("gpu_idle_by_label", "GPU idle in")):
+                for item in r[key]:
+                    lines.append((f"  {what}: {item['label']}", fmt_num(item["a"]), fmt_num(item["b"]),
+                                  signed(item["delta"], ".1f", "%"), "", ""))  # fmt: skip
         for i, cells in enumerate(lines):
             title = r["title"] + SIDES[r["in"]] if i == 0 else ""
             table.add_row(title, *cells, end_section=i == len(lines) - 1)
