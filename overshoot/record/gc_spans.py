@@ -11,6 +11,7 @@ next flush writes with the spans. Its cost is ~0.5 µs a collection, on collecti
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from time import perf_counter_ns
 
@@ -18,17 +19,18 @@ GC_LABEL = "python:gc"
 
 
 class GcSpans:
-    __slots__ = ("_recorder", "_owner", "_start", "rows", "__weakref__")
+    __slots__ = ("_recorder", "_owner", "_pid", "_start", "rows", "__weakref__")
 
     def __init__(self, recorder, owner: int):
         self._recorder = recorder  # reads its open step; removed from gc.callbacks when it finishes
         self._owner = owner
+        self._pid = os.getpid()  # a forked child's thread may carry the owner's ident: its recorder is closed
         self._start = 0
         self.rows: list[tuple[int, int, int]] = []  # (step, start ns, duration ns)
         gc.callbacks.append(self.callback)
 
     def callback(self, phase: str, info: dict) -> None:
-        if threading.get_ident() != self._owner:
+        if threading.get_ident() != self._owner or os.getpid() != self._pid:
             return
         if phase == "start":
             self._start = perf_counter_ns()
