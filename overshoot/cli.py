@@ -342,8 +342,8 @@ def export(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="File to write.")] = None,
     what: Annotated[
-        str, typer.Option(help="Table: steps, spans, gpu, kernels or ranks (chrome always holds all of "
-                               "them but ranks).")
+        str, typer.Option(help="Table: steps, spans, gpu, kernels, ranks or idle (GPU idle by host work; "
+                               "chrome always holds steps, spans, gpu and kernels).")
     ] = "steps",
     dataset: Annotated[Path | None, typer.Option(
         "--dataset", help="Instead of one file: every table as a hive-partitioned Parquet dataset under this "
@@ -398,6 +398,8 @@ def _why_empty(loaded, what: str) -> str:
         return f"; no kernel records in this run ({how}; kernels and sampled record them, on a CUDA GPU)"
     if what == "gpu":
         return "; no GPU intervals in this run (no CUDA device, or --gpu-timing off)"
+    if what == "idle":
+        return "; no step with its GPU idle known from kernel records (--gpu-timing sampled or kernels)"
     return f"; the run has no {what} in its analysed steps"
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from overshoot.analysis.analyze import CPU_BOUND_SHARE, joined_steps, steps_table
 from overshoot.analysis.frames import as_str
 
-WHATS = ("steps", "spans", "gpu", "kernels", "ranks")
+WHATS = ("steps", "spans", "gpu", "kernels", "ranks", "idle")
 FORMATS = ("parquet", "csv", "chrome")
 
 STEPS_TYPES = {
@@ -67,6 +67,14 @@ KERNELS_TYPES = {
     "gpu_end_ns": pa.int64(),
     "gpu_ms": pa.float64(),
 }
+IDLE_TYPES = {
+    "pid": pa.int64(),
+    "thread": pa.string(),
+    "step": pa.int64(),
+    "label": pa.string(),
+    "idle_ms": pa.float64(),
+    "step_idle_ms": pa.float64(),
+}
 GPU_TYPES = {
     "pid": pa.int64(),
     "thread": pa.string(),
@@ -111,11 +119,30 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
         if ranks is None:
             raise ExportError("--what ranks: this run has no per-rank steps (a single-rank engine)")
         return ranks.per_rank
+    if what == "idle":
+        return _idle_table(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                           warmup_steps=warmup_steps)
     if what == "gpu":
         gpu = _plain_strings(run.gpu)
         gpu = gpu.assign(gpu_ms=(gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6)
         return gpu[list(GPU_TYPES)].sort_values(["pid", "thread", "gpu_start_ns"], kind="stable")
     raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
+
+
+def _idle_table(run, **options) -> pd.DataFrame:
+    """GPU idle by host work, one row per step whose idle is known and label (analysis/idle.py): the primary
+    timeline's summarised steps, as the report splits them."""
+    from overshoot.analysis import idle
+    from overshoot.analysis.analyze import summarize
+
+    summary = summarize(run, **options)
+    steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
+    rows = parts["row"].to_numpy("int64")
+    pid, thread = summary.primary
+    frame = pd.DataFrame({"pid": pid, "thread": str(thread), "step": steps["step"].to_numpy()[rows],
+                          "label": parts["label"].astype(str).to_numpy(), "idle_ms": parts["ns"] / 1e6,
+                          "step_idle_ms": total[rows] / 1e6})
+    return frame[list(IDLE_TYPES)].sort_values(["step", "idle_ms"], ascending=[True, False], kind="stable")
 
 
 def _plain_strings(df: pd.DataFrame) -> pd.DataFrame:
@@ -127,7 +154,7 @@ def _plain_strings(df: pd.DataFrame) -> pd.DataFrame:
 def to_arrow(df: pd.DataFrame, what: str) -> pa.Table:
     """The table with the documented Arrow types; extra fact columns keep their inferred types."""
     known = {"steps": STEPS_TYPES, "spans": SPANS_TYPES, "gpu": GPU_TYPES,
-             "kernels": KERNELS_TYPES}.get(what, {})
+             "kernels": KERNELS_TYPES, "idle": IDLE_TYPES}.get(what, {})
     table = pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False)
     fields = []
     for f in table.schema:

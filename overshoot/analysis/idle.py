@@ -147,13 +147,11 @@ def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.D
     return out, total
 
 
-def group_idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.DataFrame | None,
-                        windows: pd.DataFrame | None, group_id: np.ndarray,
+def group_idle_by_label(parts: pd.DataFrame, total: np.ndarray, group_id: np.ndarray,
                         n_groups: int) -> list[list[dict]]:
-    """Per group (ids 0..n_groups-1 of `group_id`, one per step row): GPU idle by host work over its
-    instrumented steps, largest first: label, ms a step (mean over the instrumented steps) and share of the
-    group's known GPU idle (%)."""
-    parts, total = idle_by_label(steps, spans, kernels, windows)
+    """Per group (ids 0..n_groups-1 of `group_id`, one per step row) from idle_by_label's `parts` and
+    `total`: GPU idle by host work over its steps whose idle is known, largest first: label, ms a step (mean
+    over those steps) and share of the group's known GPU idle (%)."""
     out: list[list[dict]] = [[] for _ in range(n_groups)]
     known = ~np.isnan(total) & (group_id >= 0)  # (-1: a step in no listed group)
     if not known.any():
@@ -168,3 +166,24 @@ def group_idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels
     for rows in out:
         rows.sort(key=lambda r: -r["ms"])
     return out
+
+
+def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> tuple[pd.DataFrame, pd.DataFrame,
+                                                                              np.ndarray]:
+    """idle_by_label over the primary timeline `primary` (pid, thread) of a loaded run: its steps `steps`
+    (ordered by start here), its spans, and the kernels its process launched (another process's ran on
+    another GPU, or were launched by a thread these spans do not describe). Returns the ordered steps with
+    the parts and totals of idle_by_label."""
+    pid, thread = primary
+    steps = steps.sort_values("start_ns", kind="stable").reset_index(drop=True)
+    kernels = getattr(run, "kernels", None)
+    if kernels is None or len(kernels) == 0 or len(steps) == 0:
+        return steps, pd.DataFrame({"row": [], "label": [], "ns": []}), np.full(len(steps), np.nan)
+    own = kernels["pid"].to_numpy() == pid
+    spans = run.spans
+    if spans is not None and len(spans):
+        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
+        spans = spans if mine.all() else spans[mine]
+    parts, total = idle_by_label(steps, spans, kernels if own.all() else kernels[own],
+                                 getattr(run, "kernel_windows", None))
+    return steps, parts, total

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from rich.console import Console
 
 from overshoot.analysis import idle, labels, sweep
@@ -31,31 +32,18 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
     """Adds each group's busy time by label (key busy_by_label) and GPU idle by host work (key
     gpu_idle_by_label: empty without kernel records) to the report's group dicts."""
     spans = run.spans
-    pid, thread = summary.primary
     if spans is not None and len(spans):
+        pid, thread = summary.primary
         mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
         spans = spans if mine.all() else spans[mine]
     split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
-    idle_split = _idle_by_label(run, summary, spans, pid)
+    steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
+    group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys) if len(steps) else []
+    idle_split = idle.group_idle_by_label(parts, total, np.asarray(group_of_step, "int64"),
+                                          len(summary.groups))
     for group, rows, idle_rows in zip(groups, split, idle_split, strict=True):
         group["busy_by_label"] = rows
         group["gpu_idle_by_label"] = idle_rows
-
-
-def _idle_by_label(run, summary: Summary, spans, pid: int) -> list[list[dict]]:
-    """GPU idle by host work per group, from the kernels the primary timeline's process launched (another
-    process's kernels ran on another GPU, or were launched by a thread these spans do not describe)."""
-    kernels = getattr(run, "kernels", None)
-    n = len(summary.groups)
-    if kernels is None or len(kernels) == 0 or len(summary.steps) == 0:
-        return [[] for _ in range(n)]
-    own = kernels["pid"].to_numpy() == pid
-    if not own.all():
-        kernels = kernels[own]
-    steps = summary.steps.sort_values("start_ns", kind="stable").reset_index(drop=True)
-    group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys)
-    return idle.group_idle_by_label(steps, spans, kernels, getattr(run, "kernel_windows", None),
-                                    group_of_step, n)
 
 
 def levels(summary: Summary, client: list[dict]) -> list[dict]:
