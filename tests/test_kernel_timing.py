@@ -693,3 +693,26 @@ def test_on_a_served_sweep_sampled_timing_keeps_to_its_budget_and_covers_the_dec
         inside, cost, _ = bench.play(steps, ratio=ratio, switch_ns=100_000, budget=0.005)
         own, with_borrowed = bench.coverage(steps, inside)
         assert cost <= most and own >= 0.9 and with_borrowed >= 0.95, (ratio, cost, own, with_borrowed)
+
+
+def test_paused_time_is_no_part_of_the_run_the_budget_is_a_share_of(tmp_path, monkeypatch):
+    """hook_overhead.py pauses a sampled recorder while other modes' rounds run: that time must not build up
+    the allowance early windows are held to, or its sampled rounds would pay more windows than a served
+    engine's. A new group after a long pause gets no window the steps alone would not afford."""
+    for pause_s in (0.0, 100.0):
+        clock = VirtualClock()
+        rec, sampler = _virtual_sampler(tmp_path / str(pause_s), monkeypatch,
+                                        TimedSwitch(clock, switch_ns=2_000_000), clock)
+        opened = []
+        for i in range(120):
+            if i == 80:
+                sampler.pause()
+                clock.now += int(pause_s * 1e9)
+                sampler.resume()
+            before = sampler.windows
+            clock.now = sampler.at_step(clock.now, 2 if i >= 80 else 1, "decode") + 200_000
+            if sampler.windows > before:
+                opened.append(i)
+        sampler.close()
+        rec.close()
+        assert opened == [0, 35], (pause_s, opened)  # the two probes only, as without the pause

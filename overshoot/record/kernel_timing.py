@@ -126,6 +126,7 @@ class KernelSampler:
         # last one cost, and the last one's cost in two parts (per instrumented step, and its switches and
         # the steps after it) as last measured; None until a window was measured.
         self._t0 = 0
+        self._pause_t = 0  # when pause() was called (0: not paused)
         self._spent_ns = 0.0
         self._window_cost_ns = 0.0
         self._per_step_ns: float | None = None
@@ -268,6 +269,7 @@ class KernelSampler:
     def pause(self) -> None:
         """Collector off while the host runs work it does not record (no steps: the unhooked rounds of
         benchmarks/hook_overhead.py); `resume` puts it back as it was. Call with the GPU idle."""
+        self._pause_t = perf_counter_ns()
         self._paused = self._on or self._closing is not None
         if self._paused:
             self._settled.clear()
@@ -285,6 +287,9 @@ class KernelSampler:
             self._paused = False
             self._call(self.collector.enable)
         self._last_t = 0  # the time in between was no step
+        if self._t0 and self._pause_t:  # ... nor part of the run whose time the budget is a share of
+            self._t0 += perf_counter_ns() - self._pause_t
+        self._pause_t = 0
 
     def _open_window(self, t: int) -> int:
         setup_before = getattr(self.collector, "setup_ns", 0)
