@@ -52,7 +52,8 @@ def test_plot_compare_writes_three_pngs_with_every_panel(runs, tmp_path):
 
     image, panels = _panels(out / "groups.png")
     assert [p["title"] for p in panels] == [
-        f"{n} = {n.lower()}: per group, CPU busy by label and wait (left), GPU idle (right)" for n in "AB"
+        f"{n} = {n.lower()}: per group, CPU busy by label and wait (left), GPU idle by host work (right)"
+        for n in "AB"
     ]
     # two groups each: bars for schedule, update, unlabelled, wait and GPU idle
     assert [p["patches"] for p in panels] == [2 * 5, 2 * 5]
@@ -71,3 +72,19 @@ def test_plot_without_matplotlib_says_how_to_get_it(runs, tmp_path):
     assert result.returncode == 1
     assert_one_line_error(result, "matplotlib", "pip install 'overshoot[plot]'")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_gpu_idle_bar_is_split_by_host_work_where_kernel_records_tell(tmp_path):
+    """A launch-bound run with kernel records: the group's GPU idle bar stacks one hatched part per label the
+    thread was in (schedule, launch, update; untracked and the wait in the grey rest), the busy bar its four
+    labels (with unlabelled) and the wait: 4 + 1 + 3 + 1 patches."""
+    from run_factory import simulate_kernel_timeline, write_kernel_run
+    from test_gpu_truth import CASES
+
+    run_dir = write_kernel_run(tmp_path / "eager", simulate_kernel_timeline(120, mode="sync",
+                                                                          **CASES["launch-bound"]))
+    result = overshoot("plot", run_dir, "-o", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr
+    _, (panel,) = _panels(tmp_path / "plots" / "groups.png")
+    assert panel["patches"] == 4 + 1 + 3 + 1, panel
+

@@ -185,12 +185,24 @@ def _groups(runs: list[PlotRun]):
         wait = np.array([g["wait_ms_median"] or 0.0 for g in groups])
         ax.bar(x - 0.2, wait, 0.4, bottom=bottom, label="wait", color=colors["wait"], alpha=0.6)
         idle = np.array([_idle_ms(g) for g in groups])
-        ax.bar(x + 0.2, idle, 0.4, label="GPU idle", color="0.3", hatch="//", alpha=0.5)
+        # GPU idle, split by the host work the thread was in where kernel records tell (else one bar)
+        split = np.array([[_idle_share(g, name, names) for name in names] for g in groups]).reshape(
+            len(groups), len(names))
+        rest = np.clip(1.0 - split.sum(axis=1), 0.0, 1.0)
+        top = np.zeros(len(groups))
+        for k, name in enumerate(names):
+            heights = idle * split[:, k]
+            if heights.any():
+                ax.bar(x + 0.2, heights, 0.4, bottom=top, color=colors[name], hatch="//", alpha=0.5)
+            top += heights
+        ax.bar(x + 0.2, idle * rest, 0.4, bottom=top, label="GPU idle (hatched: by host work)", color="0.3",
+               hatch="//", alpha=0.5)
         ax.set_xticks(x, [_short(g) for g in groups], rotation=30 if len(groups) > 6 else 0, fontsize="small")
         ax.set_ylabel("ms per step")
         tallest = max(float((bottom + wait).max(initial=0.0)), float(idle.max(initial=0.0)), 1e-3)
         ax.set_ylim(0, tallest * 1.4)  # room for the legend above the bars
-        ax.set_title(f"{run.name}: per group, CPU busy by label and wait (left), GPU idle (right)")
+        ax.set_title(f"{run.name}: per group, CPU busy by label and wait (left), GPU idle by host work "
+                     "(right)")
         ax.legend(loc="upper left", fontsize="small", ncols=4)
     return fig
 
@@ -200,6 +212,14 @@ def _label_ms(group: dict, name: str, names: list[str]) -> float:
     if name == "other labels":
         return sum(r["ms"] for r in rows if r["label"] not in names)
     return next((r["ms"] for r in rows if r["label"] == name), 0.0)
+
+
+def _idle_share(group: dict, name: str, names: list[str]) -> float:
+    """Share of the group's GPU idle spent while the thread was in busy label `name` (0: no split)."""
+    rows = group.get("gpu_idle_by_label") or []
+    if name == "other labels":
+        return sum(r["share_pct"] for r in rows if r["label"] not in names) / 100.0
+    return next((r["share_pct"] for r in rows if r["label"] == name), 0.0) / 100.0
 
 
 def _idle_ms(group: dict) -> float:
