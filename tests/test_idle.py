@@ -27,7 +27,7 @@ def painted(timeline, spans: pd.DataFrame, *, steps: slice) -> dict[str, float]:
     busy = np.zeros(n, bool)
     for s, e in zip(table["gpu_start_ns"], table["gpu_end_ns"], strict=True):
         busy[(s - start) // GRID_NS:(e - start) // GRID_NS] = True
-    label = np.full(n, "untracked", dtype=object)
+    label = np.full(n, "unlabelled", dtype=object)
     wait_depth = np.zeros(n, bool)
     # outer spans first, so the inner ones paint over them; inside a wait everything stays the wait
     order = spans.assign(end=spans["start_ns"] + spans["dur_ns"]).sort_values(["start_ns", "end"],

@@ -76,8 +76,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(runs, tmp_path):
 
 def test_the_gpu_idle_bar_is_split_by_host_work_where_kernel_records_tell(tmp_path):
     """A launch-bound run with kernel records: the group's GPU idle bar stacks one hatched part per label the
-    thread was in (schedule, launch, update; untracked and the wait in the grey rest), the busy bar its four
-    labels (with unlabelled) and the wait: 4 + 1 + 3 + 1 patches."""
+    thread was in (schedule, launch, update, unlabelled; the wait in the grey rest), the busy bar the same
+    four labels and the wait: 4 + 1 + 4 + 1 patches."""
     from run_factory import simulate_kernel_timeline, write_kernel_run
     from test_gpu_truth import CASES
 
@@ -86,5 +86,5 @@ def test_the_gpu_idle_bar_is_split_by_host_work_where_kernel_records_tell(tmp_pa
     result = overshoot("plot", run_dir, "-o", tmp_path / "plots")
     assert result.returncode == 0, result.stderr
     _, (panel,) = _panels(tmp_path / "plots" / "groups.png")
-    assert panel["patches"] == 4 + 1 + 3 + 1, panel
+    assert panel["patches"] == 4 + 1 + 4 + 1, panel
 

@@ -5,11 +5,10 @@ Only where kernel records say when the GPU idled: the gaps between the union of 
 instrumented steps, inside one kernel-timing window, in the steps between its first and last (the GPU's
 state before the first one's kernels and after the last one's was not recorded). Each instant of such a
 gap goes to what the primary timeline's thread was in: the innermost busy span covering it (its label), a
-wait span (`wait:<label>`, whatever is nested in it), or no span (`untracked`: the engine's own code
-between hooked calls, the hooks, the garbage collector). Gaps are cut at step boundaries and each part
-counted in the step it falls in; idle outside those steps is not counted. A launch-bound step's idle shows
-up under the label of its launch calls, a CPU-bound async step's under the work that prepared the next
-batch.
+wait span (`wait:<label>`, whatever is nested in it), or no span (`unlabelled`, as in busy by label: the
+engine's own code between hooked calls, the hooks). Gaps are cut at step boundaries and each part counted
+in the step it falls in; idle outside those steps is not counted. A launch-bound step's idle shows up under
+the label of its launch calls, a CPU-bound async step's under the work that prepared the next batch.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis.kernels import instrumented_steps, window_of
-
-UNTRACKED = "untracked"
+from overshoot.analysis.labels import UNLABELLED
 
 
 def idle_gaps(steps: pd.DataFrame, kernels: pd.DataFrame | None,
@@ -141,10 +139,11 @@ def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.D
     frame["label"] = np.array(names, dtype=object)[frame["code"].to_numpy()] if len(frame) else []
     covered = frame.groupby("row")["ns"].sum()
     rows = np.flatnonzero(inst)
-    untracked = total[rows] - covered.reindex(rows, fill_value=0.0).to_numpy()
-    rest = pd.DataFrame({"row": rows, "label": UNTRACKED, "ns": np.maximum(untracked, 0.0)})
+    unlabelled = total[rows] - covered.reindex(rows, fill_value=0.0).to_numpy()
+    rest = pd.DataFrame({"row": rows, "label": UNLABELLED, "ns": np.maximum(unlabelled, 0.0)})
     out = pd.concat([frame[["row", "label", "ns"]], rest[rest["ns"] > 0]], ignore_index=True)
-    return out, total
+    # (a span without a label is "unlabelled" too: one row per step and label)
+    return out.groupby(["row", "label"], as_index=False, sort=True)["ns"].sum(), total
 
 
 def group_idle_by_label(parts: pd.DataFrame, total: np.ndarray, group_id: np.ndarray,

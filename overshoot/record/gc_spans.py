@@ -1,7 +1,7 @@
 """Python's garbage collections on the recorder's thread, as busy spans labelled `python:gc`.
 
 A collection runs inside whatever call allocated last, so without this its pause is charged to that call's
-label (or to `unlabelled` and `untracked`): a generation-2 collection over a large heap stops the engine
+label (or to `unlabelled`): a generation-2 collection over a large heap stops the engine
 thread for milliseconds, and the GPU starves meanwhile. `gc.callbacks` brackets every collection in the
 process; only those on the recorder's thread are kept. The callback never touches the recorder's buffers (a
 collection can start inside the recorder's own code): it appends (step, start, duration) to a list that the
