@@ -409,7 +409,7 @@ def _export_dataset(loaded, out: Path, *, cpu_bound_ms: float, cpu_bound_share: 
     from overshoot.export import table_of
 
     tables = {what: table_of(loaded, what, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
-                             warmup_steps=warmup) for what in ("steps", "spans", "gpu", "kernels")}
+                             warmup_steps=warmup) for what in ("steps", "spans", "gpu", "kernels", "idle")}
     ranks = summarize(loaded, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
                       warmup_steps=warmup).ranks
     try:

@@ -33,7 +33,9 @@ class DatasetError(RuntimeError):
 
 
 def rank_of_timelines(steps: pd.DataFrame) -> dict[tuple[int, str], int]:
-    """(pid, thread) -> rank, from the steps' rank fact."""
+    """(pid, thread) -> rank, from the steps' rank fact (none: a single-rank engine's steps have no rank)."""
+    if "rank" not in steps.columns:
+        return {}
     ranked = steps[worker_rows(steps)]
     first = ranked.groupby(["pid", "thread"], sort=False)["rank"].first()
     return {(int(p), str(t)): int(r) for (p, t), r in first.items()}

@@ -164,3 +164,18 @@ def test_export_writes_the_idle_split_step_by_step(tmp_path):
     empty = subprocess.run([sys.executable, "-m", "overshoot", "export", str(tmp_path / "events"), "-o",
                             str(tmp_path / "e.parquet"), "--what", "idle"], capture_output=True, text=True)
     assert empty.returncode == 0 and "0 rows); no step with its GPU idle known" in empty.stderr
+
+
+def test_the_dataset_export_holds_the_idle_table(tmp_path):
+    """`export --dataset`: the idle table beside the others, read back as a hive-partitioned dataset."""
+    import subprocess
+    import sys
+
+    timeline = simulate_kernel_timeline(40, mode="sync", **CASES["launch-bound"])
+    run_dir = write_kernel_run(tmp_path / "run", timeline)
+    done = subprocess.run([sys.executable, "-m", "overshoot", "export", str(run_dir), "--dataset",
+                           str(tmp_path / "ds")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    idle = pd.read_parquet(tmp_path / "ds" / "idle")
+    assert {"step", "label", "idle_ms", "step_idle_ms", "run", "rank"} <= set(idle.columns)
+    assert idle["step"].nunique() == 38 and (idle.loc[idle["label"] == "launch", "idle_ms"] > 0.29).all()
