@@ -280,8 +280,10 @@ def check(
             base, report, samples_a=noise.summary_samples(base_summary),
             samples_b=noise.summary_samples(summary),
         )  # fmt: skip
-    if limits.max_gpu_idle_pct is not None and all(g["gpu_idle_pct"] is None for g in report["groups"]):
-        raise CliError(f"--max-gpu-idle: {run} has no GPU times to check", 2)
+    for option, limit, key in (("--max-gpu-idle", limits.max_gpu_idle_pct, "gpu_idle_pct"),
+                               ("--max-cpu-bound", limits.max_cpu_bound_pct, "cpu_bound_pct")):
+        if limit is not None and all(g[key] is None for g in report["groups"]):
+            raise CliError(f"{option}: {run} has no GPU times to check", 2)
     outcome = gate.check(report, limits, compared=compared)
     if outcome.checked == 0:
         raise CliError(f"no group of {run} has {min_steps} steps or more (--min-steps)", 2)

@@ -130,3 +130,31 @@ def test_check_exit_codes_as_ci_sees_them(runs, tmp_path, capsys):
     bad = overshoot("check", tmp_path / "missing", "--max-cpu-bound", "5%")
     assert bad.returncode == 2
     assert_one_line_error(bad, "run dir not found")
+
+
+def test_a_limit_on_a_figure_the_run_lacks_breaks_instead_of_passing(tmp_path, capsys):
+    """CPU-bound and GPU idle need GPU times: a run without any cannot be checked against those limits (exit
+    2, one line), and a group without them in a run that has them breaks with a line saying why, since a gate
+    that passed on missing data would gate nothing (it read "ok: ... within the limits"). The regression
+    limit, which needs no GPU, still passes."""
+    from run_factory import simulate_timeline, write_run
+
+    frames = simulate_timeline(120, mode="sync", cpu_ms=1.0, gpu_ms=0.5)
+    frames.gpu = frames.gpu.iloc[:0]
+    run = write_run(tmp_path / "cpu", frames)
+    for option in ("--max-cpu-bound", "--max-gpu-idle"):
+        assert main(["check", str(run), option, "10%"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error == f"overshoot check: error: {option}: {run} has no GPU times to check"
+    assert main(["check", str(run), "--baseline", str(run), "--max-regression", "3%"]) == 0
+    capsys.readouterr()
+    # the same engine where the batch-2 steps lost their GPU times: only that group breaks, saying why
+    frames = simulate_timeline(240, mode="sync", cpu_ms=1.0, gpu_ms=0.5)
+    frames.steps.loc[120:, "batch_size"] = 2
+    frames.gpu = frames.gpu[frames.gpu["step"] < 120]
+    mixed = write_run(tmp_path / "mixed", frames)
+    assert main(["check", str(mixed), "--max-cpu-bound", "100%", "--max-gpu-idle", "100%"]) == 1
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "decode @ batch 2: CPU-bound unknown (no GPU times), so --max-cpu-bound 100% cannot be checked",
+        "decode @ batch 2: GPU idle unknown (no GPU times), so --max-gpu-idle 100% cannot be checked",
+    ]

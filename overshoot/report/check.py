@@ -4,7 +4,8 @@ limit.
 Limits apply per group (level, phase, batch size) with at least `min_steps` steps, so that a handful of
 ramp-up steps cannot fail a pipeline. The regression limit compares each group's median step with the
 baseline's same group: the point estimate decides, and the line carries the bootstrap interval of the delta
-(analysis/noise.py) so that a break inside the noise is visible as such.
+(analysis/noise.py) so that a break inside the noise is visible as such. A limit on a figure the run does not
+have (CPU-bound or GPU idle without GPU times) breaks with a line saying so: it cannot pass unchecked.
 """
 
 from __future__ import annotations
@@ -54,11 +55,17 @@ def check(report: dict, limits: Limits, *, compared: list[dict] | None = None) -
     skipped = len(report["groups"]) - len(groups)
     for g in groups:
         value, limit = g["cpu_bound_pct"], limits.max_cpu_bound_pct
-        if limit is not None and value is not None and value > limit:
+        if limit is not None and value is None:  # a gate that passes on missing data gates nothing
+            broken.append(f"{g['title']}: CPU-bound unknown (no GPU times), so --max-cpu-bound {limit:g}% "
+                          "cannot be checked")  # fmt: skip
+        elif limit is not None and value > limit:
             broken.append(f"{g['title']}: {fmt_num(value, '.1f')}% of steps CPU-bound, above --max-cpu-bound "
                           f"{limit:g}%")  # fmt: skip
         value, limit = g["gpu_idle_pct"], limits.max_gpu_idle_pct
-        if limit is not None and value is not None and value > limit:
+        if limit is not None and value is None:
+            broken.append(f"{g['title']}: GPU idle unknown (no GPU times), so --max-gpu-idle {limit:g}% "
+                          "cannot be checked")
+        elif limit is not None and value > limit:
             broken.append(f"{g['title']}: GPU idle {fmt_num(value, '.1f')}%, above --max-gpu-idle {limit:g}%")
     compared_groups = 0
     if limits.max_regression_pct is not None and compared is not None:
