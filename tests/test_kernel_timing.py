@@ -695,20 +695,25 @@ def test_on_a_served_sweep_sampled_timing_keeps_to_its_budget_and_covers_the_dec
         assert cost <= most and own >= 0.9 and with_borrowed >= 0.95, (ratio, cost, own, with_borrowed)
 
 
-def test_paused_time_is_no_part_of_the_run_the_budget_is_a_share_of(tmp_path, monkeypatch):
-    """hook_overhead.py pauses a sampled recorder while other modes' rounds run: that time must not build up
-    the allowance early windows are held to, or its sampled rounds would pay more windows than a served
-    engine's. A new group after a long pause gets no window the steps alone would not afford."""
+@pytest.mark.parametrize("how", ["paused", "idle"])
+def test_paused_or_idle_time_is_no_part_of_the_run_the_budget_is_a_share_of(tmp_path, monkeypatch, how):
+    """hook_overhead.py pauses a sampled recorder while other modes' rounds run, and a served engine idles
+    between loads: that time must not build up the allowance early windows are held to, or windows would
+    cost the steps more than the budget. A new group after a long pause or idle stretch gets no window the
+    steps alone would not afford."""
     for pause_s in (0.0, 100.0):
         clock = VirtualClock()
-        rec, sampler = _virtual_sampler(tmp_path / str(pause_s), monkeypatch,
+        rec, sampler = _virtual_sampler(tmp_path / f"{how}{pause_s}", monkeypatch,
                                         TimedSwitch(clock, switch_ns=2_000_000), clock)
         opened = []
         for i in range(120):
-            if i == 80:
+            if i == 80 and how == "paused":
                 sampler.pause()
                 clock.now += int(pause_s * 1e9)
                 sampler.resume()
+            elif i == 80:
+                sampler.idle(clock.now)
+                clock.now += int(pause_s * 1e9)
             before = sampler.windows
             clock.now = sampler.at_step(clock.now, 2 if i >= 80 else 1, "decode") + 200_000
             if sampler.windows > before:
@@ -716,3 +721,18 @@ def test_paused_time_is_no_part_of_the_run_the_budget_is_a_share_of(tmp_path, mo
         sampler.close()
         rec.close()
         assert opened == [0, 35], (pause_s, opened)  # the two probes only, as without the pause
+
+
+def test_the_recorder_tells_the_sampler_when_the_engine_goes_idle(tmp_path):
+    rec = Recorder(tmp_path / "r", engine="virtual", gpu_timing="sampled")
+    rec._sampler = sampler = KernelSampler(rec, VirtualCollector(), mode="sampled", drain_seconds=60)
+    for _ in range(3):
+        rec.step_begin(batch_size=1, phase="decode")
+    rec.idle_begin()
+    assert sampler._idle_t > 0
+    t0 = sampler._t0
+    time.sleep(0.05)
+    rec.idle_end()
+    rec.step_begin(batch_size=1, phase="decode")
+    assert sampler._idle_t == 0 and sampler._t0 - t0 >= 50_000_000  # the idle time left the run's
+    rec.close()

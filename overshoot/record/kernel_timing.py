@@ -127,6 +127,7 @@ class KernelSampler:
         # the steps after it) as last measured; None until a window was measured.
         self._t0 = 0
         self._pause_t = 0  # when pause() was called (0: not paused)
+        self._idle_t = 0  # when the engine went idle (0: it is stepping)
         self._spent_ns = 0.0
         self._window_cost_ns = 0.0
         self._per_step_ns: float | None = None
@@ -184,6 +185,9 @@ class KernelSampler:
             key = ended
         if not self._t0:
             self._t0 = t
+        if self._idle_t:  # the engine was idle since then: no step, and no part of the run's time
+            self._t0 += t - self._idle_t
+            self._idle_t = self._last_t = 0
         if self._closing is not None:  # the closed window's GPU work may still run: off once it is done
             if self._last_t:  # a step still under the collector is neither plain nor inside a window
                 self._after.append((t - self._last_t, key))
@@ -258,6 +262,11 @@ class KernelSampler:
             self._after_left -= 1
             if self._after_left == 0:
                 self._gap = self._next_gap()
+
+    def idle(self, t: int) -> None:
+        """The engine went idle at `t` (no work): until its next step, time that windows cost no one."""
+        if self._t0 and not self._idle_t:
+            self._idle_t = t
 
     def state(self) -> str:
         """"ready" (a window can open at the next step boundary), "setting up" (the drain thread is setting

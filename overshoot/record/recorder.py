@@ -300,6 +300,8 @@ class Recorder(RecorderCore):
         t = perf_counter_ns()
         if self._step >= 0:
             t = self._boundary(t)
+        if self._sampler is not None:
+            self._sampler.idle(t)
         if self._n_steps > self._w_steps and t - self._last_flush_ns >= self._idle_flush_ns:
             # The thread has nothing to do: a good moment to flush (rate-limited for engines that poll).
             t = self._flush_between_steps(t)
