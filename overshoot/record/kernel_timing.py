@@ -13,12 +13,12 @@ time of its two switches), averaged over the run, stays within `budget` (the spa
 that slows eager steps 3x gets windows far apart, one that costs 3% gets them often). A window also opens
 early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
 that the groups of a load sweep get kernel data of their own; such a window is shortened (to as few as one
-step) or left out so that what every window cost so far stays within 1.5 times the budget of the run's time,
-and a regular window waits until the total is back within the budget: with a costly collector a sweep of
-many groups would otherwise pay a window a group (seen on a virtual sweep: 3% at a 0.5% budget, a collector
-slowing steps 4x). The first window, opened as soon as the collector is ready (usually in the engine's
-warm-up), is a probe of `probe_steps` that measures the cost and marks no group as seen. In both modes the
-collector's once-a-process set-up
+step) or left out so that what every window cost so far stays within 1.5 times the budget of the run's time
+(idle and paused stretches left out), and a regular window waits until the total is back within the budget:
+with a costly collector a sweep of many groups would otherwise pay a window a group (seen on a virtual sweep:
+3% at a 0.5% budget, a collector slowing steps 4x). The first window, opened as soon as the collector is
+ready (usually in the engine's warm-up), is a probe of `probe_steps` that measures the cost and marks no
+group as seen. In both modes the collector's once-a-process set-up
 (`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the engine
 thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets the
 instrumented steps against to measure the collector's own cost per launch call.
