@@ -179,3 +179,31 @@ def test_the_dataset_export_holds_the_idle_table(tmp_path):
     idle = pd.read_parquet(tmp_path / "ds" / "idle")
     assert {"step", "label", "idle_ms", "step_idle_ms", "run", "rank"} <= set(idle.columns)
     assert idle["step"].nunique() == 38 and (idle.loc[idle["label"] == "launch", "idle_ms"] > 0.29).all()
+
+
+def test_kernels_of_another_process_leave_the_split_empty_and_the_report_says_why(tmp_path):
+    """An engine core whose worker process launches the kernels: the split covers the primary timeline's
+    process only, and --by-label says so rather than "no kernel records"."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    from run_factory import write_run
+
+    from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter
+
+    timeline = simulate_kernel_timeline(40, mode="sync", **CASES["launch-bound"])
+    run_dir = write_run(tmp_path / "run", timeline.frames)
+    writer = SpoolWriter(run_dir / "spool", "999-worker")
+    writer.write("kernels", pa.RecordBatch.from_pandas(timeline.kernels, schema=BASE_SCHEMAS["kernels"],
+                                                       preserve_index=False))
+    writer.close()
+    run = load_run(run_dir)
+    assert set(run.kernels["pid"]) == {999}
+    report = build_report(run)
+    assert report["groups"][0]["gpu_idle_by_label"] == []
+    note = report["gpu_idle_by_label_note"]
+    assert "come from other processes than the primary timeline's (pid 4242" in note
+    text = subprocess.run([sys.executable, "-m", "overshoot", "report", str(run_dir), "--by-label"],
+                          capture_output=True, text=True).stdout
+    assert "the kernel records come from other processes" in " ".join(text.split())

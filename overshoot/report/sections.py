@@ -28,9 +28,10 @@ def status_line(status: str | None) -> str | None:
     return STATUS_LINES.get(status, f"run status {status!r} in meta.json: the figures may be partial")
 
 
-def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
+def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
     """Adds each group's busy time by label (key busy_by_label) and GPU idle by host work (key
-    gpu_idle_by_label: empty without kernel records) to the report's group dicts."""
+    gpu_idle_by_label: empty without kernel records) to the report's group dicts. Returns why the idle
+    split is empty although the run has kernel records, if it is."""
     spans = run.spans
     if spans is not None and len(spans):
         pid, thread = summary.primary
@@ -44,6 +45,15 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> None:
     for group, rows, idle_rows in zip(groups, split, idle_split, strict=True):
         group["busy_by_label"] = rows
         group["gpu_idle_by_label"] = idle_rows
+    kernels = getattr(run, "kernels", None)
+    if any(idle_split) or kernels is None or len(kernels) == 0:
+        return None
+    if not (kernels["pid"].to_numpy() == summary.primary[0]).any():
+        return (f"GPU idle by host work: the kernel records come from other processes than the primary "
+                f"timeline's (pid {summary.primary[0]}: e.g. an engine core whose workers launch the "
+                "kernels); the split covers the primary timeline's process only")
+    return ("GPU idle by host work: no step lies inside a kernel-timing window with instrumented steps on "
+            "both sides (its idle is known whole only there)")
 
 
 def levels(summary: Summary, client: list[dict]) -> list[dict]:
@@ -95,8 +105,9 @@ def render_idle_by_label(report: dict, console: Console) -> None:
     """GPU idle by host work: what the engine thread was in while the GPU idled (instrumented steps)."""
     groups = [g for g in report["groups"] if g.get("gpu_idle_by_label")]
     if not groups:
-        console.print("GPU idle by host work: no kernel records (record with --gpu-timing sampled or "
-                      "kernels)", highlight=False)
+        why = report.get("gpu_idle_by_label_note") or ("GPU idle by host work: no kernel records (record "
+                                                        "with --gpu-timing sampled or kernels)")
+        console.print(why, highlight=False)
         return
     weight: dict[str, float] = {}
     for g in groups:

@@ -51,7 +51,7 @@ def analyse(
         row["verdict"] = _verdict(row, what_ifs, summary.mode.mode)
         groups.append(row)
     client = client_stats(run.client)
-    sections.add_sections(groups, run=run, summary=summary)
+    idle_note = sections.add_sections(groups, run=run, summary=summary)
     status = (run.meta or {}).get("status")
     report = {
         "run_id": run.run_id,
@@ -74,6 +74,7 @@ def analyse(
         "ranks": rank_groups(summary, group_title),
         "hook_problems": hook_problems(run),
         "notes": summary.notes,
+        "gpu_idle_by_label_note": idle_note,
         "warnings": list(run.warnings),
     }
     return report, summary
