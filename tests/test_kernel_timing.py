@@ -4,6 +4,7 @@ itself (record/cupti) is proven on the H200 by benchmarks/gpu_truth.py and bench
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -736,3 +737,28 @@ def test_the_recorder_tells_the_sampler_when_the_engine_goes_idle(tmp_path):
     rec.step_begin(batch_size=1, phase="decode")
     assert sampler._idle_t == 0 and sampler._t0 - t0 >= 50_000_000  # the idle time left the run's
     rec.close()
+
+
+def test_the_kernel_budget_reaches_the_sampler_and_bad_values_are_refused(tmp_path, monkeypatch):
+    """`overshoot run --kernel-budget 2%` sets OVERSHOOT_KERNEL_BUDGET for the server, whose recorders'
+    samplers take it (and say so in their process record); a value that is no percentage is refused in one
+    line before any server starts; a malformed environment value leaves the default and a note."""
+    monkeypatch.setenv("OVERSHOOT_KERNEL_BUDGET", "0.02")
+    rec = Recorder(tmp_path / "a", engine="virtual", gpu_timing="sampled")
+    rec.start_kernel_timing(VirtualCollector())
+    assert rec._sampler.budget == 0.02
+    rec.close()
+    record = json.loads(rec._io.json_path.read_text())
+    assert record["kernel_timing"]["budget_pct"] == pytest.approx(2.0)
+    monkeypatch.setenv("OVERSHOOT_KERNEL_BUDGET", "lots")
+    rec = Recorder(tmp_path / "b", engine="virtual", gpu_timing="sampled")
+    rec.start_kernel_timing(VirtualCollector())
+    assert rec._sampler.budget == 0.005
+    rec.close()
+    errors = json.loads(rec._io.json_path.read_text())["errors"]
+    assert any("OVERSHOOT_KERNEL_BUDGET='lots'" in e for e in errors), errors
+    for bad, needle in (("ten", "bad --kernel-budget 'ten'"), ("0%", "must be more than 0%"),
+                        ("150%", "at most 100%")):
+        done = subprocess.run([sys.executable, "-m", "overshoot", "run", "--kernel-budget", bad,
+                               "--out", str(tmp_path / bad.replace("%", ""))], capture_output=True, text=True)
+        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -522,6 +522,7 @@ class KernelSampler:
         spent = self._spent_ns + self._window_cost_ns
         run_ns = (self._last_t - self._t0) if self._t0 and self._last_t else 0
         return {"mode": self.mode, "windows": self.windows, "window_steps": self.window_steps,
+                "budget_pct": 100.0 * self.budget,
                 "cost_pct": 100.0 * spent / run_ns if run_ns > 0 and self.mode == "sampled" else None,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,

@@ -438,6 +438,12 @@ class Recorder(RecorderCore):
 
         try:
             collector = collector or cupti_collector()
+            budget = os.environ.get("OVERSHOOT_KERNEL_BUDGET")  # set by `overshoot run --kernel-budget`
+            if budget and "budget" not in sampling:
+                try:
+                    sampling["budget"] = float(budget)
+                except ValueError:  # never take the engine down over a setting: the default, said why
+                    self._io.note_error(f"OVERSHOOT_KERNEL_BUDGET={budget!r} is not a number; budget 0.5%")
             self._sampler = KernelSampler(self, collector, mode=self.gpu_timing, fence=self._gpu_fence,
                                           **sampling)
             self._io.info["kernel_timing"] = {"mode": self.gpu_timing, "collector": collector.describe()}

@@ -63,6 +63,19 @@ def async_scheduling_of(command: list[str]) -> bool | None:
     return None
 
 
+def parse_budget(text: str) -> float:
+    """--kernel-budget '0.5%' (or '0.5') -> 0.005; more than 0 and at most 100%."""
+    from overshoot.report.check import parse_pct
+
+    try:
+        pct = parse_pct(text, "--kernel-budget")
+    except ValueError as e:
+        raise RunFailed(str(e), 2) from None
+    if not 0 < pct <= 100:
+        raise RunFailed(f"--kernel-budget: {text!r} must be more than 0% and at most 100%", 2)
+    return pct / 100.0
+
+
 def resolve_gpu_timing(mode: str) -> str:
     """The GPU timing the server gets. auto: sampled where kernel timing can run, else events. An explicit
     kernels/sampled that this machine cannot give is refused in one line, before any server starts."""
@@ -122,6 +135,9 @@ def run(
         help="GPU timing in the server: events (two CUDA events a step), kernels (every kernel, CUPTI), "
              "sampled (kernels in windows of steps, within a cost budget), off, or auto (sampled where "
              "CUDA and CUPTI are there, else events).")] = "auto",
+    kernel_budget: Annotated[str, typer.Option(
+        help="sampled: what its windows may cost, a share of the run's step time (more buys more "
+             "instrumented steps).")] = "0.5%",
 ) -> None:
     """Start a server with overshoot's hooks, drive a concurrency sweep, stop it and print the report.
 
@@ -133,7 +149,7 @@ def run(
         command=list(command or []), concurrency=concurrency, max_tokens=max_tokens,
         prompt_tokens=prompt_tokens, requests=requests, duration=duration, warmup=warmup, port=port, out=out,
         ready_timeout=ready_timeout, model=model, engine=engine, hooks=list(hooks or []),
-        stop_timeout=stop_timeout, gpu_timing=gpu_timing,
+        stop_timeout=stop_timeout, gpu_timing=gpu_timing, kernel_budget=kernel_budget,
     )
     # fmt: on
     try:
@@ -163,12 +179,14 @@ class RunOptions:
     hooks: list[str] = field(default_factory=list)
     stop_timeout: float = 15.0
     gpu_timing: str = "auto"
+    kernel_budget: str = "0.5%"
 
 
 def execute(o: RunOptions) -> int:
     """The whole run; raises RunFailed (message, exit code) after leaving a readable run dir."""
     levels = parse_concurrency(o.concurrency)
     gpu_timing = resolve_gpu_timing(o.gpu_timing)
+    budget = parse_budget(o.kernel_budget)
     run_dir = o.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunFailed(f"{run_dir} already exists; choose another --out", 2)
@@ -191,7 +209,7 @@ def execute(o: RunOptions) -> int:
         if spec_file.endswith(".py") and not Path(spec_file).is_file():
             raise RunFailed(f"--hooks: no such file {spec_file}", 2)
     options = dict(vars(o), out=str(run_dir), port=port, engine=engine, hooks=extra_specs,
-                   gpu_timing=gpu_timing)
+                   gpu_timing=gpu_timing, kernel_budget=budget)
     options.update(concurrency=list(levels))
     del options["command"]
     scheduling = async_scheduling_of(command)
@@ -208,6 +226,7 @@ def execute(o: RunOptions) -> int:
     # Every known spec is installed lazily (on import of its engine) unless --engine narrows the choice.
     env = launch.hooked_env(run_dir, engine=o.engine, extra_specs=extra_specs, embedded=embedded)
     env["OVERSHOOT_GPU_TIMING"] = gpu_timing
+    env["OVERSHOOT_KERNEL_BUDGET"] = repr(budget)
     results = LoadResults()
     server: Server | None = None
     status, code, failure = "failed", 1, None
