@@ -965,3 +965,33 @@ def test_a_garbage_collection_on_the_engine_thread_is_a_python_gc_span_inside_th
     assert by["python:gc"] == pytest.approx(span.dur_ns / 1e6, rel=1e-6)
     schedule = run.spans[run.spans["label"] == "schedule"]["dur_ns"].iloc[0]
     assert by["schedule"] == pytest.approx((schedule - span.dur_ns) / 1e6, rel=1e-6)
+
+
+def test_the_report_publishes_what_the_recorder_cost_the_engine_thread(tmp_path, monkeypatch):
+    """Flushes between steps are overshoot's own work on the engine thread: the report's note counts them
+    and sums their time as the recorder's `overshoot:flush` spans say, which match the flush calls timed
+    from outside (the same count; the spans' total within the timer's own calls of it)."""
+    from overshoot.report.table import build_report
+
+    calls: list[int] = []
+    real_flush = Recorder.flush
+
+    def timed(self):
+        t = perf_counter_ns()
+        real_flush(self)
+        calls.append(perf_counter_ns() - t)
+
+    monkeypatch.setattr(Recorder, "flush", timed)
+    rec = Recorder(tmp_path / "r", engine="test", flush_steps=16)
+    for _ in range(100):
+        rec.step_begin(batch_size=1, phase="decode")
+        with rec.busy("work"):
+            pass
+    rec.close()
+    run = load_run(tmp_path / "r")
+    spans = run.spans[run.spans["label"] == "overshoot:flush"]
+    between = len(spans)  # (the close writes the rest without a flush call or a span: it ends the run)
+    assert between >= 5 and len(calls) == between
+    assert spans["dur_ns"].sum() == pytest.approx(sum(calls), rel=0.2, abs=200_000)
+    (note,) = [n for n in build_report(run)["notes"] if n.startswith("overshoot's own work")]
+    assert f"flush {between}x, {spans['dur_ns'].sum() / 1e6:.1f} ms" in note

@@ -56,6 +56,31 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
             "both sides (its idle is known whole only there)")
 
 
+def own_cost(run, summary: Summary) -> str | None:
+    """What overshoot itself cost the primary timeline's thread, from its own spans (`overshoot:*`: flushes
+    between steps, kernel timing's switches) against the summarised steps' time, and what the kernel
+    timing windows cost the run as the sampler measured it. None when nothing of the kind was recorded."""
+    spans = run.spans
+    parts = []
+    if spans is not None and len(spans):
+        pid, thread = summary.primary
+        label = spans["label"].astype(str)
+        mine = ((spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
+                & label.str.startswith("overshoot:").to_numpy())
+        steps_ms = float(summary.steps["step_ms"].sum()) if len(summary.steps) else 0.0
+        for name, dur in spans[mine].groupby(label[mine], observed=True)["dur_ns"]:
+            ms = float(dur.sum()) / 1e6
+            share = f", {100 * ms / steps_ms:.2f}% of the steps' time" if steps_ms > 0 else ""
+            parts.append(f"{name.removeprefix('overshoot:')} {len(dur)}x, {ms:.1f} ms{share}")
+    timing = [p.get("kernel_timing") or {} for p in run.processes if p.get("pid") == summary.primary[0]]
+    costs = [t["cost_pct"] for t in timing if t.get("cost_pct") is not None]
+    if costs:
+        parts.append(f"kernel-timing windows {costs[0]:.2f}% of the run (the sampler's measure)")
+    if not parts:
+        return None
+    return "overshoot's own work on the engine thread, outside the steps: " + "; ".join(parts)
+
+
 def levels(summary: Summary, client: list[dict]) -> list[dict]:
     return sweep.level_rows(summary, client)
 

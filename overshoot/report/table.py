@@ -73,7 +73,7 @@ def analyse(
         "client": client,
         "ranks": rank_groups(summary, group_title),
         "hook_problems": hook_problems(run),
-        "notes": summary.notes,
+        "notes": [*summary.notes, *filter(None, [sections.own_cost(run, summary)])],
         "gpu_idle_by_label_note": idle_note,
         "warnings": list(run.warnings),
     }
