@@ -408,12 +408,14 @@ def _why_empty(loaded, what: str) -> str:
 def _export_dataset(loaded, out: Path, *, cpu_bound_ms: float, cpu_bound_share: float, warmup: int) -> None:
     from overshoot.analysis.analyze import summarize
     from overshoot.dataset import DatasetError, export_dataset
-    from overshoot.export import table_of
+    from overshoot.export import idle_table, table_of
 
     tables = {what: table_of(loaded, what, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
-                             warmup_steps=warmup) for what in ("steps", "spans", "gpu", "kernels", "idle")}
-    ranks = summarize(loaded, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
-                      warmup_steps=warmup).ranks
+                             warmup_steps=warmup) for what in ("steps", "spans", "gpu", "kernels")}
+    summary = summarize(loaded, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                        warmup_steps=warmup)  # one analysis for the idle table and the ranks
+    tables["idle"] = idle_table(loaded, summary)
+    ranks = summary.ranks
     try:
         written = export_dataset(loaded, out, tables=tables,
                                  rank_rows=None if ranks is None else ranks.per_rank)

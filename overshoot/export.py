@@ -120,8 +120,10 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
             raise ExportError("--what ranks: this run has no per-rank steps (a single-rank engine)")
         return ranks.per_rank
     if what == "idle":
-        return _idle_table(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
-                           warmup_steps=warmup_steps)
+        from overshoot.analysis.analyze import summarize
+
+        return idle_table(run, summarize(run, cpu_bound_ms=cpu_bound_ms, cpu_bound_share=cpu_bound_share,
+                                         warmup_steps=warmup_steps))
     if what == "gpu":
         gpu = _plain_strings(run.gpu)
         gpu = gpu.assign(gpu_ms=(gpu["gpu_end_ns"] - gpu["gpu_start_ns"]) / 1e6)
@@ -129,13 +131,11 @@ def table_of(run, what: str, *, cpu_bound_ms: float = 0.02, cpu_bound_share: flo
     raise ExportError(f"unknown --what {what!r}: choose one of {', '.join(WHATS)}")
 
 
-def _idle_table(run, **options) -> pd.DataFrame:
+def idle_table(run, summary) -> pd.DataFrame:
     """GPU idle by host work, one row per step whose idle is known and label (analysis/idle.py): the primary
-    timeline's summarised steps, as the report splits them."""
+    timeline's summarised steps (`summary`: summarize of `run`), as the report splits them."""
     from overshoot.analysis import idle
-    from overshoot.analysis.analyze import summarize
 
-    summary = summarize(run, **options)
     steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
     rows = parts["row"].to_numpy("int64")
     pid, thread = summary.primary

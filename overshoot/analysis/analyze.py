@@ -18,6 +18,7 @@ from overshoot.analysis.frames import (
     group_keys,
     per_step,
     positions,
+    timeline_spans,
     worker_rows,
 )
 from overshoot.analysis.kernels import SOURCES, per_group, primary_row
@@ -186,10 +187,7 @@ def summarize(
     pid, thread = int(full["pid"].iat[best]), str(full["thread"].iat[best])
     on_primary = full["_timeline"].to_numpy() == full["_timeline"].iat[best]  # ints, not string compares
     timeline = full if on_primary.all() else full[on_primary].reset_index(drop=True)  # ordered by start
-    spans = run.spans
-    if spans is not None and len(spans):
-        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
-        spans = spans if mine.all() else spans[mine]
+    spans = timeline_spans(run.spans, pid, thread)
     guess = detect_mode(timeline, spans=spans, meta=run.meta, processes=run.processes, override=mode)
     kept, left_out = _summarised(drop_warmup(timeline, warmup_steps))
     keys = group_keys(kept)
@@ -281,8 +279,8 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
     out["gpu_ms_median"] = median["gpu_ms"].to_numpy()
     # A group with no instrumented step of its own shows the GPU busy it borrowed (what its idle came from).
     borrowed_busy = np.full(n_groups, np.nan)
-    if "_gpu_busy_est_ms" in df.columns and (source == SOURCES.index("borrowed")).any():
-        lent = source == SOURCES.index("borrowed")
+    lent = source == SOURCES.index("borrowed")
+    if "_gpu_busy_est_ms" in df.columns and lent.any():
         borrowed_busy = per_group(group_id, df["_gpu_busy_est_ms"].to_numpy("float64"), lent, n_groups)[0]
     out["gpu_busy_ms_median"] = np.where(by_source[:, SOURCES.index("kernels")] > 0,
                                          median["gpu_busy_ms"].to_numpy(), borrowed_busy)

@@ -48,6 +48,15 @@ def as_str(column: pd.Series, fill: str | None = None) -> pd.Series:
     return str_column(names, codes)
 
 
+def timeline_spans(spans: pd.DataFrame | None, pid: int, thread: str) -> pd.DataFrame | None:
+    """The spans of one timeline (pid, thread) of a run's spans table (the table itself when it holds no
+    other, None or empty as given)."""
+    if spans is None or len(spans) == 0:
+        return spans
+    mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
+    return spans if mine.all() else spans[mine]
+
+
 def contains(column: pd.Series, text: str) -> np.ndarray:
     """Per row: the string holds `text`, ignoring case (False where null). Tested once per distinct value
     (a span label column has a handful among millions of rows), then spread to the rows by code."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis.frames import codes_and_names, timeline_spans
 from overshoot.analysis.kernels import instrumented_steps, window_of
 from overshoot.analysis.labels import UNLABELLED
 
@@ -55,14 +56,15 @@ def host_segments(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
         return np.zeros(0), np.zeros(0), np.zeros(0, "int64"), []
     kind = spans["kind"].to_numpy()
     keep = np.isin(kind, ("busy", "wait")) & (spans["dur_ns"].to_numpy() > 0)
-    spans = spans[keep]
-    label = spans["label"].astype("string").fillna("unlabelled")
-    names_of = np.where(spans["kind"].to_numpy() == "wait", "wait:" + label, label).astype(str)
-    codes, uniques = pd.factorize(names_of)
-    names = [str(u) for u in uniques]
+    spans, is_wait = spans[keep], kind[keep] == "wait"
+    # Label codes through the column's distinct values (a categorical's own), never a string per row; a
+    # wait's label is its own name, "wait:<label>", the codes after the busy ones.
+    codes, uniques = codes_and_names(spans["label"])
+    base = [*(str(u) for u in uniques), UNLABELLED]
+    codes = np.where(codes < 0, len(base) - 1, codes) + np.where(is_wait, len(base), 0)
+    names = [*base, *(f"wait:{n}" for n in base)]
     start = spans["start_ns"].to_numpy("float64")
     end = start + spans["dur_ns"].to_numpy("float64")
-    is_wait = spans["kind"].to_numpy() == "wait"
     order = np.lexsort((-end, start))
     start, end, codes, is_wait = start[order], end[order], codes[order], is_wait[order]
     if len(start) < 2 or np.all(start[1:] >= end[:-1]):  # the usual case: no span inside another
@@ -179,10 +181,7 @@ def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> tuple[pd
     if kernels is None or len(kernels) == 0 or len(steps) == 0:
         return steps, pd.DataFrame({"row": [], "label": [], "ns": []}), np.full(len(steps), np.nan)
     own = kernels["pid"].to_numpy() == pid
-    spans = run.spans
-    if spans is not None and len(spans):
-        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
-        spans = spans if mine.all() else spans[mine]
-    parts, total = idle_by_label(steps, spans, kernels if own.all() else kernels[own],
+    parts, total = idle_by_label(steps, timeline_spans(run.spans, pid, thread),
+                                 kernels if own.all() else kernels[own],
                                  getattr(run, "kernel_windows", None))
     return steps, parts, total

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from overshoot.analysis import idle, labels, sweep
 from overshoot.analysis.analyze import Summary
+from overshoot.analysis.frames import codes_and_names, timeline_spans
 from overshoot.report.fmt import fmt_num, pct, report_table
 
 MAX_LABEL_COLUMNS = 8  # more labels than this: the smallest are shown together as "other labels"
@@ -32,11 +33,7 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
     """Adds each group's busy time by label (key busy_by_label) and GPU idle by host work (key
     gpu_idle_by_label: empty without kernel records) to the report's group dicts. Returns why the idle
     split is empty although the run has kernel records, if it is."""
-    spans = run.spans
-    if spans is not None and len(spans):
-        pid, thread = summary.primary
-        mine = (spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
-        spans = spans if mine.all() else spans[mine]
+    spans = timeline_spans(run.spans, *summary.primary)
     split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
     steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
     group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys) if len(steps) else []
@@ -60,18 +57,22 @@ def own_cost(run, summary: Summary) -> str | None:
     """What overshoot itself cost the primary timeline's thread, from its own spans (`overshoot:*`: flushes
     between steps, kernel timing's switches) against the summarised steps' time, and what the kernel
     timing windows cost the run as the sampler measured it. None when nothing of the kind was recorded."""
-    spans = run.spans
+    spans = timeline_spans(run.spans, *summary.primary)
     parts = []
     if spans is not None and len(spans):
-        pid, thread = summary.primary
-        label = spans["label"].astype(str)
-        mine = ((spans["pid"].to_numpy() == pid) & (spans["thread"] == thread).to_numpy()
-                & label.str.startswith("overshoot:").to_numpy())
+        # by label code: the distinct labels are a handful, the spans millions (no string per span)
+        codes, names = codes_and_names(spans["label"])
         steps_ms = float(summary.steps["step_ms"].sum()) if len(summary.steps) else 0.0
-        for name, dur in spans[mine].groupby(label[mine], observed=True)["dur_ns"]:
-            ms = float(dur.sum()) / 1e6
+        dur = spans["dur_ns"].to_numpy()
+        for code, name in enumerate(names):
+            if not str(name).startswith("overshoot:"):
+                continue
+            mine = codes == code
+            if not mine.any():  # (a categorical keeps the labels of every timeline)
+                continue
+            ms = float(dur[mine].sum()) / 1e6
             share = f", {100 * ms / steps_ms:.2f}% of the steps' time" if steps_ms > 0 else ""
-            parts.append(f"{name.removeprefix('overshoot:')} {len(dur)}x, {ms:.1f} ms{share}")
+            parts.append(f"{str(name).removeprefix('overshoot:')} {int(mine.sum())}x, {ms:.1f} ms{share}")
     timing = [p.get("kernel_timing") or {} for p in run.processes if p.get("pid") == summary.primary[0]]
     costs = [t["cost_pct"] for t in timing if t.get("cost_pct") is not None]
     if costs:
@@ -89,11 +90,12 @@ def crossover(groups: list[dict]) -> dict | None:
     return sweep.crossover(groups)
 
 
-def label_columns(groups: list[dict]) -> list[str]:
-    """Labels in order of their busy time over all groups (step-weighted), at most MAX_LABEL_COLUMNS."""
+def label_columns(groups: list[dict], key: str = "busy_by_label") -> list[str]:
+    """Labels of the groups' `key` split in order of their time over all groups (step-weighted), at most
+    MAX_LABEL_COLUMNS (the smallest then as "other labels")."""
     weight: dict[str, float] = {}
     for g in groups:
-        for r in g.get("busy_by_label") or []:
+        for r in g.get(key) or []:
             weight[r["label"]] = weight.get(r["label"], 0.0) + r["ms"] * g["steps"]
     ordered = sorted(weight, key=lambda k: -weight[k])
     if len(ordered) > MAX_LABEL_COLUMNS:
@@ -105,48 +107,38 @@ def render_by_label(report: dict, console: Console) -> None:
     groups = [g for g in report["groups"] if g.get("busy_by_label")]
     if not groups:
         console.print("busy by label: no labelled busy spans recorded", highlight=False)
-        return
-    names = label_columns(groups)
-    table = report_table("CPU busy by label: ms of the median busy (share of busy)")
+    else:
+        _label_table(groups, "busy_by_label", "CPU busy by label: ms of the median busy (share of busy)",
+                     console, busy=True)
+    groups = [g for g in report["groups"] if g.get("gpu_idle_by_label")]
+    if not groups:
+        why = report.get("gpu_idle_by_label_note") or ("GPU idle by host work: no kernel records (record "
+                                                        "with --gpu-timing sampled or kernels)")
+        console.print(why, highlight=False)
+    else:  # what the engine thread was in while the GPU idled (instrumented steps)
+        _label_table(groups, "gpu_idle_by_label",
+                     "GPU idle by host work, instrumented steps: ms a step (share of the GPU idle)", console)
+
+
+def _label_table(groups: list[dict], key: str, title: str, console: Console, *, busy: bool = False) -> None:
+    """A group per row, a label per column (label_columns) of the groups' `key` split: ms (share)."""
+    names = label_columns(groups, key)
+    table = report_table(title)
     table.add_column("group", justify="left", no_wrap=True)
-    table.add_column("busy\nms", justify="right", no_wrap=True)
+    if busy:
+        table.add_column("busy\nms", justify="right", no_wrap=True)
     for name in names:
         table.add_column(name, justify="right", overflow="fold")
     shown = set(names) - {"other labels"}
     for g in groups:
-        by = {r["label"]: r for r in g["busy_by_label"]}
+        by = {r["label"]: r for r in g[key]}
         rest = [r for label, r in by.items() if label not in shown]
         if "other labels" in names:
             by["other labels"] = {
                 "ms": sum(r["ms"] for r in rest), "share_pct": sum(r["share_pct"] for r in rest)
             }
         cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
-        table.add_row(g["title"], fmt_num(g["busy_ms_median"]), *cells)
-    console.print(table)
-    render_idle_by_label(report, console)
-
-
-def render_idle_by_label(report: dict, console: Console) -> None:
-    """GPU idle by host work: what the engine thread was in while the GPU idled (instrumented steps)."""
-    groups = [g for g in report["groups"] if g.get("gpu_idle_by_label")]
-    if not groups:
-        why = report.get("gpu_idle_by_label_note") or ("GPU idle by host work: no kernel records (record "
-                                                        "with --gpu-timing sampled or kernels)")
-        console.print(why, highlight=False)
-        return
-    weight: dict[str, float] = {}
-    for g in groups:
-        for r in g["gpu_idle_by_label"]:
-            weight[r["label"]] = weight.get(r["label"], 0.0) + r["ms"] * g["steps"]
-    names = sorted(weight, key=lambda k: -weight[k])[:MAX_LABEL_COLUMNS]
-    table = report_table("GPU idle by host work, instrumented steps: ms a step (share of the GPU idle)")
-    table.add_column("group", justify="left", no_wrap=True)
-    for name in names:
-        table.add_column(name, justify="right", overflow="fold")
-    for g in groups:
-        by = {r["label"]: r for r in g["gpu_idle_by_label"]}
-        cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
-        table.add_row(g["title"], *cells)
+        table.add_row(g["title"], *([fmt_num(g["busy_ms_median"])] if busy else []), *cells)
     console.print(table)
 
 
