@@ -1,11 +1,11 @@
 """Python's garbage collections on the recorder's thread, as busy spans labelled `python:gc`.
 
 A collection runs inside whatever call allocated last, so without this its pause is charged to that call's
-label (or to `unlabelled`): a generation-2 collection over a large heap stops the engine
-thread for milliseconds, and the GPU starves meanwhile. `gc.callbacks` brackets every collection in the
-process; only those on the recorder's thread are kept. The callback never touches the recorder's buffers (a
-collection can start inside the recorder's own code): it appends (step, start, duration) to a list that the
-next flush writes with the spans. Its cost is ~0.5 µs a collection, on collections only.
+label (or to `unlabelled`): a generation-2 collection over a large heap stops the engine thread for
+milliseconds, and the GPU starves meanwhile. `gc.callbacks` brackets every collection in the process; only
+those on the recorder's thread are kept. The callback never touches the recorder's buffers (a collection
+can start inside the recorder's own code): it appends (step, start, duration) to a list that the next flush
+writes with the spans. Its cost is ~0.5 µs a collection, on collections only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ GC_LABEL = "python:gc"
 
 
 class GcSpans:
-    __slots__ = ("_recorder", "_owner", "_pid", "_start", "rows", "__weakref__")
+    __slots__ = ("_recorder", "_owner", "_pid", "_start", "rows")
 
     def __init__(self, recorder, owner: int):
         self._recorder = recorder  # reads its open step; removed from gc.callbacks when it finishes
