@@ -74,6 +74,8 @@ IDLE_TYPES = {
     "label": pa.string(),
     "idle_ms": pa.float64(),
     "step_idle_ms": pa.float64(),
+    "known_ms": pa.float64(),
+    "step_ms": pa.float64(),
 }
 GPU_TYPES = {
     "pid": pa.int64(),
@@ -136,12 +138,14 @@ def idle_table(run, summary) -> pd.DataFrame:
     timeline's summarised steps (`summary`: summarize of `run`), as the report splits them."""
     from overshoot.analysis import idle
 
-    steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
+    split = idle.primary_idle(run, summary.steps, summary.primary)
+    parts = split.parts
     rows = parts["row"].to_numpy("int64")
     pid, thread = summary.primary
-    frame = pd.DataFrame({"pid": pid, "thread": str(thread), "step": steps["step"].to_numpy()[rows],
+    frame = pd.DataFrame({"pid": pid, "thread": str(thread), "step": split.steps["step"].to_numpy()[rows],
                           "label": parts["label"].astype(str).to_numpy(), "idle_ms": parts["ns"] / 1e6,
-                          "step_idle_ms": total[rows] / 1e6})
+                          "step_idle_ms": split.total[rows] / 1e6, "known_ms": split.known[rows] / 1e6,
+                          "step_ms": split.length[rows] / 1e6})
     return frame[list(IDLE_TYPES)].sort_values(["step", "idle_ms"], ascending=[True, False], kind="stable")
 
 

@@ -17,9 +17,10 @@ from overshoot.rundir.reader import load_run
 GRID_NS = 1_000
 
 
-def painted(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int) -> dict[str, float]:
-    """GPU idle ns per label in [lo_ns, hi_ns), by painting a 1 µs grid: busy under every kernel interval,
-    labelled by the innermost span (inside a wait everything stays the wait)."""
+def paint(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int,
+          hi_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """A 1 µs grid over [lo_ns, hi_ns): per cell whether a kernel ran (every kernel interval marks it busy)
+    and the label of the innermost span over it (inside a wait everything stays the wait)."""
     start, end = int(lo_ns), int(hi_ns)
     n = (end - start) // GRID_NS
     busy = np.zeros(n, bool)
@@ -37,7 +38,42 @@ def painted(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int) 
         label[lo:hi][free] = name
         if row.kind == "wait":
             wait_depth[lo:hi] = True
+    return busy, label
+
+
+def painted(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int) -> dict[str, float]:
+    """GPU idle ns per label in [lo_ns, hi_ns), by painting a 1 µs grid (paint)."""
+    busy, label = paint(kernels, spans, lo_ns, hi_ns)
     return {name: float(((label == name) & ~busy).sum() * GRID_NS) for name in set(label[~busy])}
+
+
+def known_truth(timeline, windows: list[tuple[int, int]] | None = None) -> tuple[dict, dict, int]:
+    """The painted GPU idle per label over the instants whose GPU state the kernel records know, and over the
+    steps known whole; and the count of those steps. Known: inside a window (the whole run when there are
+    none), from its first recorded kernel's start (the GPU may still run earlier, unrecorded work before)
+    until its end (the run's: its last kernel's end); a step counts where it lies inside a window."""
+    steps, kernels, spans = timeline.frames.steps, timeline.kernels, timeline.frames.spans
+    lo, hi = int(steps["start_ns"].min()), int(steps["end_ns"].max())
+    busy, label = paint(kernels, spans, lo, hi)
+    launch = kernels["launch_start_ns"].to_numpy()
+    bounds = windows or [(lo, hi + 1)]
+    every, whole, n_whole = {}, {}, 0
+    for w_lo, w_hi in bounds:
+        mine = kernels[(launch >= w_lo) & (launch < w_hi)]
+        first = int(mine["gpu_start_ns"].min())
+        close = w_hi if windows else int(mine["gpu_end_ns"].max())
+        inside = steps[(steps["start_ns"] >= w_lo) & (steps["end_ns"] <= w_hi)]
+        for s, e in zip(inside["start_ns"], inside["end_ns"], strict=True):
+            a, b = max(s, first), min(e, close)
+            cells = slice((a - lo) // GRID_NS, (b - lo) // GRID_NS)
+            is_whole = (a, b) == (s, e)
+            n_whole += is_whole
+            for name in set(label[cells][~busy[cells]]):
+                ns = float(((label[cells] == name) & ~busy[cells]).sum() * GRID_NS)
+                every[name] = every.get(name, 0.0) + ns
+                if is_whole:
+                    whole[name] = whole.get(name, 0.0) + ns
+    return every, whole, n_whole
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -53,18 +89,16 @@ def test_gpu_idle_by_host_work_matches_a_painted_truth(tmp_path, case, mode):
     run = load_run(write_kernel_run(tmp_path / f"{case}-{mode}", timeline))
     (group,) = build_report(run)["groups"]
     got = {r["label"]: r for r in group["gpu_idle_by_label"]}
-    # (the first step's idle before its first kernel and the last one's after its last are unknown to kernel
-    # records: both are left out whole)
-    steps_frame = timeline.frames.steps
-    truth = painted(timeline.kernels, timeline.frames.spans, steps_frame["start_ns"].iloc[1],
-                    steps_frame["end_ns"].iloc[118])
-    steps = 118
-    total = sum(truth.values())
-    for name, ns in truth.items():
-        if ns / steps < 1_000:  # under 1 µs a step: the grid's resolution
+    # (the first step's idle before its first kernel is unknown to kernel records, and so is the last one's
+    # after the last kernel's end: both count in the shares only)
+    every, whole, steps = known_truth(timeline)
+    assert group["gpu_idle_by_label_steps"][0] == steps and steps >= 118
+    total = sum(every.values())
+    for name, ns in every.items():
+        if whole.get(name, 0.0) / steps < 1_000:  # under 1 µs a step: the grid's resolution
             continue
         assert name in got, (name, got)
-        assert got[name]["ms"] * 1e6 == pytest.approx(ns / steps, abs=1_500), name
+        assert got[name]["ms"] * 1e6 == pytest.approx(whole[name] / steps, abs=1_500), name
         assert got[name]["share_pct"] == pytest.approx(100 * ns / total, abs=1.0), name
     if total / steps < 1_000:  # GPU-bound and async: the GPU never idles, and nothing is split
         assert got == {}, got
@@ -76,9 +110,10 @@ def test_gpu_idle_by_host_work_matches_a_painted_truth(tmp_path, case, mode):
 
 
 def test_only_known_idle_is_split_and_a_run_without_kernels_says_so(tmp_path):
-    """Windows of 10 steps: only the gaps inside a window count, in its steps between the first and the last
-    (the GPU's state before and after was not recorded); per step, the figures equal the whole run's. Without
-    kernel records the key is empty and --by-label says why."""
+    """Windows of 10 steps: only the idle inside a window counts, from its first kernel's start (the GPU's
+    state before it was not recorded) to its end, its last step's tail included (work launched after the
+    window cannot run before its end); per step, the figures equal the whole run's. Without kernel records
+    the key is empty and --by-label says why."""
     import json
     import subprocess
     import sys
@@ -93,6 +128,10 @@ def test_only_known_idle_is_split_and_a_run_without_kernels_says_so(tmp_path):
     (every,) = build_report(whole)["groups"]
     by = {r["label"]: r["ms"] for r in group["gpu_idle_by_label"]}
     by_every = {r["label"]: r["ms"] for r in every["gpu_idle_by_label"]}
+    assert group["gpu_idle_by_label_steps"] == [18, 2]  # a window's first step is known from its first kernel
+    known, whole, n = known_truth(timeline, windows)
+    for label, ns in whole.items():
+        assert by[label] * 1e6 == pytest.approx(ns / n, abs=1_500), label
     assert by.keys() == by_every.keys()
     for label, ms in by_every.items():  # the same steady steps, a step at a time
         assert by[label] == pytest.approx(ms, abs=0.002), label
@@ -106,6 +145,39 @@ def test_only_known_idle_is_split_and_a_run_without_kernels_says_so(tmp_path):
     assert json.loads(result.stdout)["groups"][0]["gpu_idle_by_label"] == []
     text = subprocess.run(command, capture_output=True, text=True).stdout
     assert "GPU idle by host work: no kernel records" in text
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_step_windows_split_the_idle_after_the_first_kernel(tmp_path, mode):
+    """A costly collector (an eager engine under CUPTI) gets windows of one step: no step's GPU state is
+    known whole, but from its first kernel's start to its end it is. The shares match a painting of those
+    stretches; ms a step is not given (None, '-' in the table) and the report says why."""
+    import json
+    import subprocess
+    import sys
+
+    timeline = simulate_kernel_timeline(100, mode=mode, **CASES["launch-bound"])
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[i]), int(ends[i])) for i in range(5, 100, 10)]
+    run_dir = write_kernel_run(tmp_path / "run", timeline, windows=windows)
+    command = [sys.executable, "-m", "overshoot", "report", str(run_dir), "--by-label"]
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (group,) = json.loads(done.stdout)["groups"]
+    assert group["gpu_idle_by_label_steps"] == [0, 10]
+    every, whole, n = known_truth(timeline, windows)
+    assert n == 0 and whole == {}
+    total = sum(every.values())
+    got = {r["label"]: r for r in group["gpu_idle_by_label"]}
+    assert got.keys() == {k for k, v in every.items() if v / 10 >= 1_000}
+    for label, ns in every.items():
+        if label in got:
+            assert got[label]["ms"] is None
+            assert got[label]["share_pct"] == pytest.approx(100 * ns / total, abs=1.0), label
+    assert group["gpu_idle_by_label"][0]["label"] == "launch"
+    text = subprocess.run(command, capture_output=True, text=True).stdout
+    assert "has its GPU state known whole (one-step windows)" in text, text
+    assert "GPU idles most while the thread is in 'launch'" in text, text
 
 
 def test_compare_sets_the_idle_split_of_two_runs_side_by_side(tmp_path):
@@ -148,12 +220,18 @@ def test_export_writes_the_idle_split_step_by_step(tmp_path):
                            "--what", "idle"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     table = pd.read_parquet(out)
-    assert list(table.columns) == ["pid", "thread", "step", "label", "idle_ms", "step_idle_ms"]
+    assert list(table.columns) == ["pid", "thread", "step", "label", "idle_ms", "step_idle_ms", "known_ms",
+                                   "step_ms"]
     assert str(table["step"].dtype) == "int64" and str(table["idle_ms"].dtype) == "float64"
-    assert table["step"].nunique() == 58  # the first and the last step's idle is not all known
-    sums = table.groupby("step").agg(idle=("idle_ms", "sum"), known=("step_idle_ms", "first"))
+    sums = table.groupby("step").agg(idle=("idle_ms", "sum"), known=("step_idle_ms", "first"),
+                                     known_ms=("known_ms", "first"), step_ms=("step_ms", "first"))
     assert np.allclose(sums["idle"], sums["known"], atol=1e-9)
-    assert np.allclose(table.loc[table["label"] == "launch", "idle_ms"], 0.3, atol=1e-6)
+    # the first step's GPU state is known from its first kernel on, the last one's up to its last kernel's end
+    partial = sums.index[sums["known_ms"] < sums["step_ms"]]
+    assert list(partial) == [0, 59] and len(sums) == 60
+    assert np.allclose(sums["known_ms"].drop(partial), sums["step_ms"].drop(partial))
+    launch = table[(table["label"] == "launch") & ~table["step"].isin(partial)]
+    assert len(launch) == 58 and np.allclose(launch["idle_ms"], 0.3, atol=1e-6)
     write_run(tmp_path / "events", timeline.frames)
     empty = subprocess.run([sys.executable, "-m", "overshoot", "export", str(tmp_path / "events"), "-o",
                             str(tmp_path / "e.parquet"), "--what", "idle"], capture_output=True, text=True)
@@ -172,7 +250,8 @@ def test_the_dataset_export_holds_the_idle_table(tmp_path):
     assert done.returncode == 0, done.stderr
     idle = pd.read_parquet(tmp_path / "ds" / "idle")
     assert {"step", "label", "idle_ms", "step_idle_ms", "run", "rank"} <= set(idle.columns)
-    assert idle["step"].nunique() == 38 and (idle.loc[idle["label"] == "launch", "idle_ms"] > 0.29).all()
+    whole = idle[idle["known_ms"] == idle["step_ms"]]
+    assert whole["step"].nunique() == 38 and (whole.loc[whole["label"] == "launch", "idle_ms"] > 0.29).all()
 
 
 def test_kernels_of_another_process_leave_the_split_empty_and_the_report_says_why(tmp_path):
@@ -267,7 +346,10 @@ def test_end_to_end_through_the_recorder_and_the_sampler(tmp_path):
     truth_kernels = pd.DataFrame(device.ran, columns=["gpu_start_ns", "gpu_end_ns"])
     steps = run.steps.set_index("step")
     for step, rows in idle.groupby("step"):
-        lo, hi = steps.loc[step, "start_ns"], steps.loc[step, "end_ns"]
+        # (a window's first step is known from its first kernel's start: the part its known_ms leaves out)
+        hi = steps.loc[step, "end_ns"]
+        lo = hi - round(rows["known_ms"].iloc[0] * 1e6)
+        assert lo >= steps.loc[step, "start_ns"]
         truth = painted(truth_kernels, run.spans, int(lo), int(hi))
         got = dict(zip(rows["label"], rows["idle_ms"] * 1e6, strict=True))
         for name in set(truth) | set(got):

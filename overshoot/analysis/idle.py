@@ -1,17 +1,21 @@
 """GPU idle by host work: what the engine thread was doing while the GPU sat idle (docs/concepts.md, "GPU idle
 by host work").
 
-Only where kernel records say when the GPU idled: the gaps between the union of the kernels launched in
-instrumented steps, inside one kernel-timing window, in the steps between its first and last (the GPU's
-state before the first one's kernels and after the last one's was not recorded). Each instant of such a
-gap goes to what the primary timeline's thread was in: the innermost busy span covering it (its label), a
-wait span (`wait:<label>`, whatever is nested in it), or no span (`unlabelled`, as in busy by label: the
-engine's own code between hooked calls, the hooks). Gaps are cut at step boundaries and each part counted
-in the step it falls in; idle outside those steps is not counted. A launch-bound step's idle shows up under
-the label of its launch calls, a CPU-bound async step's under the work that prepared the next batch.
+Only where kernel records say when the GPU idled: inside a kernel-timing window, from its first recorded
+kernel's start (before it the GPU may still have run unrecorded work) to the window's end (work launched
+after it cannot run before it), the gaps between the union of its kernels and after the last one. Each
+instant of such a gap goes to what the primary timeline's thread was in: the innermost busy span covering it
+(its label), a wait span (`wait:<label>`, whatever is nested in it), or no span (`unlabelled`, as in busy by
+label: the engine's own code between hooked calls, the hooks). Gaps are cut at step boundaries and each part
+counted in the step it falls in; idle outside steps is not counted. A window's first step is known only from
+its first kernel on: it counts in the shares, not in the ms a step (a costly collector's windows of one step
+give shares alone). A launch-bound step's idle shows up under the label of its launch calls, a CPU-bound
+async step's under the work that prepared the next batch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -22,31 +26,65 @@ from overshoot.analysis.labels import UNLABELLED
 
 
 def idle_gaps(steps: pd.DataFrame, kernels: pd.DataFrame | None,
-              windows: pd.DataFrame | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gap starts, gap ends, instrumented-step mask) of one timeline's steps (ordered by start): the GPU's
-    known idle intervals, host ns."""
+              windows: pd.DataFrame | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The GPU's known idle intervals (gap starts, gap ends: disjoint, sorted) and, per step of one timeline
+    (ordered by start), the stretch of it whose GPU state the kernel records know (from, to; NaN: none).
+
+    Inside a window every kernel launched was recorded, so between its first recorded kernel's start and the
+    window's end the GPU ran nothing else (work launched before the window ran before that kernel on its
+    stream; work launched after the window cannot start before it): the gaps between the union of the
+    window's kernels, and after the last one until the window's end, are idle. Before the first one the GPU
+    may still have run unrecorded work (an async step's predecessor): unknown. A run recorded whole (no
+    windows) is one window that ends at its last kernel's end (records after it may be lost at shutdown)."""
     empty = np.zeros(0)
+    n = len(steps)
+    unknown = np.full(n, np.nan)
+    if kernels is None or len(kernels) == 0 or n == 0:
+        return empty, empty, unknown, unknown.copy()
     start = steps["start_ns"].to_numpy("float64")
     end = steps["end_ns"].to_numpy("float64")
-    if kernels is None or len(kernels) == 0 or len(steps) == 0:
-        return empty, empty, np.zeros(len(steps), bool)
     g_start = kernels["gpu_start_ns"].to_numpy("float64")
     g_end = kernels["gpu_end_ns"].to_numpy("float64")
     launch = kernels["launch_start_ns"].to_numpy("float64", na_value=np.nan)
     key = np.where(np.isnan(launch), g_start, launch)
     inst, _ = instrumented_steps(start, end, windows, key)
-    row = np.searchsorted(start, key, side="right") - 1
-    mine = (row >= 0) & (key < end[np.maximum(row, 0)]) & inst[np.maximum(row, 0)]
-    if not mine.any():
-        return empty, empty, inst
     window = window_of(key, windows)
-    window = np.zeros(len(key), "int64") if window is None else window
-    order = np.flatnonzero(mine)[np.argsort(g_start[mine], kind="stable")]
+    if window is None:  # recorded whole: one window, closed at the last kernel's end
+        window, n_windows = np.zeros(len(key), "int64"), 1
+        step_window = np.zeros(n, "int64")
+        closes = np.array([g_end.max()])
+    else:
+        n_windows = len(windows)
+        step_window = window_of(start, windows)
+        # (window_of numbers the windows in order of start)
+        closes = windows["end_ns"].to_numpy("float64")[np.argsort(windows["start_ns"].to_numpy(),
+                                                                  kind="stable")]
+    rec = window >= 0
+    if not rec.any():
+        return empty, empty, unknown, unknown.copy()
+    order = np.flatnonzero(rec)[np.argsort(g_start[rec], kind="stable")]
     s, e, w = g_start[order], g_end[order], window[order]
+    # Per window: its first recorded start (the GPU's state is known from there) and its close.
+    first = np.full(n_windows, np.nan)
+    np.fmin.at(first, w, s)
     reach = np.maximum.accumulate(e)  # the GPU is busy until here once the kernels so far have run
-    gap = s[1:] > reach[:-1]
-    gap &= w[1:] == w[:-1]  # (the time between two windows was not recorded)
-    return reach[:-1][gap], s[1:][gap], inst
+    last = np.r_[w[1:] != w[:-1], True]  # a window's last kernel in GPU-start order
+    gap = ~last[:-1] & (s[1:] > reach[:-1])  # (the time between two windows was not recorded)
+    lo, hi = [reach[:-1][gap]], [s[1:][gap]]
+    tail_from, tail_to = reach[last], closes[w[last]]
+    tail = tail_to > tail_from
+    lo.append(tail_from[tail])
+    hi.append(tail_to[tail])
+    lo, hi = np.concatenate(lo), np.concatenate(hi)
+    by = np.argsort(lo, kind="stable")
+    ok = inst & (step_window >= 0)
+    sw = np.maximum(step_window, 0)
+    known_from = np.where(ok, np.fmax(start, first[sw]), np.nan)  # (NaN: no record in its window)
+    known_to = np.where(ok, np.minimum(end, closes[sw]), np.nan)
+    none = ~(known_to > known_from)
+    known_from[none] = np.nan
+    known_to[none] = np.nan
+    return lo[by], hi[by], known_from, known_to
 
 
 def host_segments(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
@@ -112,29 +150,29 @@ def _idle_before(points: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarr
 
 
 def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.DataFrame | None,
-                  windows: pd.DataFrame | None) -> tuple[pd.DataFrame, np.ndarray]:
-    """Per step row and label: the GPU idle ns spent while the thread was in it (columns row, label, ns), and
-    per step the known GPU idle ns (NaN: not instrumented). `steps`: one timeline, ordered by start."""
-    lo, hi, inst = idle_gaps(steps, kernels, windows)
-    # A window's first and last steps: the GPU's state before the first one's first kernel, and after the
-    # last one's last kernel, was not recorded, so their idle is not all known; only steps between two
-    # instrumented ones count (per-step figures are over steps whose idle is known whole).
-    inst = inst & np.concatenate([[False], inst[:-1]]) & np.concatenate([inst[1:], [False]])
-    start = steps["start_ns"].to_numpy("float64")
-    end = steps["end_ns"].to_numpy("float64")
+                  windows: pd.DataFrame | None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """Per step row and label: the GPU idle ns spent while the thread was in it (columns row, label, ns); per
+    step the known GPU idle ns and the ns of the step whose GPU state is known (NaN: not instrumented; equal
+    to the step's length where it is known whole). `steps`: one timeline, ordered by start."""
+    lo, hi, known_from, known_to = idle_gaps(steps, kernels, windows)
+    known = known_to - known_from
     total = np.full(len(steps), np.nan)
+    inst = ~np.isnan(known)
     if not inst.any():
-        return pd.DataFrame({"row": [], "label": [], "ns": []}), total
-    # Idle inside each instrumented step, the gaps cut at its boundaries.
-    total[inst] = _idle_before(end[inst], lo, hi) - _idle_before(start[inst], lo, hi)
+        return pd.DataFrame({"row": [], "label": [], "ns": []}), total, known
+    start = steps["start_ns"].to_numpy("float64")
+    total[inst] = _idle_before(known_to[inst], lo, hi) - _idle_before(known_from[inst], lo, hi)
     if spans is not None and len(spans) and not inst.all():  # (a sampled run: ~3% of the spans matter)
         at = np.searchsorted(start, spans["start_ns"].to_numpy("float64"), side="right") - 1
         spans = spans[(at >= 0) & inst[np.maximum(at, 0)]]
     seg_s, seg_e, codes, names = host_segments(spans)
-    # Segments cut at step boundaries would split a few; a segment counts in the step its start falls in.
+    # Segments cut at step boundaries would split a few; a segment counts in the step its start falls in,
+    # over the part of it whose GPU state is known.
     row = np.searchsorted(start, seg_s, side="right") - 1
     ok = (row >= 0) & inst[np.maximum(row, 0)]
-    seg_s, seg_e, codes, row = seg_s[ok], np.minimum(seg_e[ok], end[row[ok]]), codes[ok], row[ok]
+    row, codes = row[ok], codes[ok]
+    seg_s = np.maximum(seg_s[ok], known_from[row])
+    seg_e = np.maximum(np.minimum(seg_e[ok], known_to[row]), seg_s)
     overlap = _idle_before(seg_e, lo, hi) - _idle_before(seg_s, lo, hi)
     frame = pd.DataFrame({"row": row, "code": codes, "ns": overlap})
     frame = frame[frame["ns"] > 0].groupby(["row", "code"], as_index=False)["ns"].sum()
@@ -145,43 +183,72 @@ def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.D
     rest = pd.DataFrame({"row": rows, "label": UNLABELLED, "ns": np.maximum(unlabelled, 0.0)})
     out = pd.concat([frame[["row", "label", "ns"]], rest[rest["ns"] > 0]], ignore_index=True)
     # (a span without a label is "unlabelled" too: one row per step and label)
-    return out.groupby(["row", "label"], as_index=False, sort=True)["ns"].sum(), total
+    return out.groupby(["row", "label"], as_index=False, sort=True)["ns"].sum(), total, known
 
 
-def group_idle_by_label(parts: pd.DataFrame, total: np.ndarray, group_id: np.ndarray,
-                        n_groups: int) -> list[list[dict]]:
-    """Per group (ids 0..n_groups-1 of `group_id`, one per step row) from idle_by_label's `parts` and
-    `total`: GPU idle by host work over its steps whose idle is known, largest first: label, ms a step (mean
-    over those steps) and share of the group's known GPU idle (%)."""
-    out: list[list[dict]] = [[] for _ in range(n_groups)]
+@dataclass
+class IdleSplit:
+    """idle_by_label over one timeline: its steps (ordered by start), the (row, label, ns) parts, and per
+    step the known idle ns and known ns (NaN: not instrumented)."""
+
+    steps: pd.DataFrame
+    parts: pd.DataFrame
+    total: np.ndarray
+    known: np.ndarray
+
+    @property
+    def length(self) -> np.ndarray:
+        """Per step: its length, ns."""
+        return (self.steps["end_ns"] - self.steps["start_ns"]).to_numpy("float64")
+
+    @property
+    def whole(self) -> np.ndarray:
+        """Per step: its GPU state is known from its start to its end."""
+        return self.known >= self.length
+
+
+def group_idle_by_label(split: IdleSplit, group_id: np.ndarray, n_groups: int) -> list[dict]:
+    """Per group (ids 0..n_groups-1 of `group_id`, one per step row): GPU idle by host work over its steps
+    whose idle is known, largest first ("rows": label, ms a step, share of the group's known GPU idle in %),
+    and how many steps it comes from ("steps": known whole, known in part). Shares count every known
+    instant, ms a step only the steps known whole (None where there are none: one-step windows)."""
+    out = [{"rows": [], "steps": [0, 0]} for _ in range(n_groups)]
+    total = split.total
     known = ~np.isnan(total) & (group_id >= 0)  # (-1: a step in no listed group)
     if not known.any():
         return out
+    whole = known & split.whole
     idle = np.bincount(group_id[known], weights=total[known], minlength=n_groups)
-    count = np.bincount(group_id[known], minlength=n_groups)
-    parts = parts.assign(group=group_id[parts["row"].to_numpy("int64")])
+    n_whole = np.bincount(group_id[whole], minlength=n_groups)
+    n_part = np.bincount(group_id[known & ~whole], minlength=n_groups)
+    rows = split.parts["row"].to_numpy("int64")
+    parts = split.parts.assign(group=group_id[rows], whole=np.where(whole[rows], split.parts["ns"], 0.0))
     parts = parts[parts["group"] >= 0]
-    for (g, label), ns in parts.groupby(["group", "label"])["ns"].sum().items():
+    sums = parts.groupby(["group", "label"])[["ns", "whole"]].sum()
+    for (g, label), (ns, ns_whole) in zip(sums.index, sums.to_numpy(), strict=True):
         if idle[g] > 0:
-            out[g].append({"label": label, "ms": ns / count[g] / 1e6, "share_pct": 100.0 * ns / idle[g]})
-    for rows in out:
-        rows.sort(key=lambda r: -r["ms"])
+            ms = ns_whole / n_whole[g] / 1e6 if n_whole[g] else None
+            out[g]["rows"].append({"label": label, "ms": ms, "share_pct": 100.0 * ns / idle[g]})
+    for g, entry in enumerate(out):
+        entry["rows"].sort(key=lambda r: -r["share_pct"])
+        entry["steps"] = [int(n_whole[g]), int(n_part[g])]
     return out
 
 
-def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> tuple[pd.DataFrame, pd.DataFrame,
-                                                                              np.ndarray]:
+def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> IdleSplit:
     """idle_by_label over the primary timeline `primary` (pid, thread) of a loaded run: its steps `steps`
     (ordered by start here), its spans, and the kernels its process launched (another process's ran on
-    another GPU, or were launched by a thread these spans do not describe). Returns the ordered steps with
-    the parts and totals of idle_by_label."""
+    another GPU, or were launched by a thread these spans do not describe)."""
     pid, thread = primary
     steps = steps.sort_values("start_ns", kind="stable").reset_index(drop=True)
     kernels = getattr(run, "kernels", None)
     if kernels is None or len(kernels) == 0 or len(steps) == 0:
-        return steps, pd.DataFrame({"row": [], "label": [], "ns": []}), np.full(len(steps), np.nan)
+        nan = np.full(len(steps), np.nan)
+        return IdleSplit(steps, pd.DataFrame({"row": [], "label": [], "ns": []}), nan, nan.copy())
     own = kernels["pid"].to_numpy() == pid
-    parts, total = idle_by_label(steps, timeline_spans(run.spans, pid, thread),
-                                 kernels if own.all() else kernels[own],
-                                 getattr(run, "kernel_windows", None))
-    return steps, parts, total
+    windows = getattr(run, "kernel_windows", None)
+    if windows is not None and "pid" in windows.columns and len(windows):
+        windows = windows[windows["pid"].to_numpy() == pid]  # (each process samples its own windows)
+    parts, total, known = idle_by_label(steps, timeline_spans(run.spans, pid, thread),
+                                        kernels if own.all() else kernels[own], windows)
+    return IdleSplit(steps, parts, total, known)

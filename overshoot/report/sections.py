@@ -35,22 +35,23 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
     split is empty although the run has kernel records, if it is."""
     spans = timeline_spans(run.spans, *summary.primary)
     split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
-    steps, parts, total = idle.primary_idle(run, summary.steps, summary.primary)
+    known = idle.primary_idle(run, summary.steps, summary.primary)
+    steps = known.steps
     group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys) if len(steps) else []
-    idle_split = idle.group_idle_by_label(parts, total, np.asarray(group_of_step, "int64"),
-                                          len(summary.groups))
-    for group, rows, idle_rows in zip(groups, split, idle_split, strict=True):
+    idle_split = idle.group_idle_by_label(known, np.asarray(group_of_step, "int64"), len(summary.groups))
+    for group, rows, idle_entry in zip(groups, split, idle_split, strict=True):
         group["busy_by_label"] = rows
-        group["gpu_idle_by_label"] = idle_rows
+        group["gpu_idle_by_label"] = idle_entry["rows"]
+        group["gpu_idle_by_label_steps"] = idle_entry["steps"]
     kernels = getattr(run, "kernels", None)
-    if any(idle_split) or kernels is None or len(kernels) == 0:
+    if any(e["rows"] for e in idle_split) or kernels is None or len(kernels) == 0:
         return None
     if not (kernels["pid"].to_numpy() == summary.primary[0]).any():
         return (f"GPU idle by host work: the kernel records come from other processes than the primary "
                 f"timeline's (pid {summary.primary[0]}: e.g. an engine core whose workers launch the "
                 "kernels); the split covers the primary timeline's process only")
-    return ("GPU idle by host work: no step lies inside a kernel-timing window with instrumented steps on "
-            "both sides (its idle is known whole only there)")
+    return ("GPU idle by host work: no summarised step lies inside a kernel-timing window after its first "
+            "kernel started (the GPU's state is known from there)")
 
 
 def own_cost(run, summary: Summary) -> str | None:
@@ -96,11 +97,20 @@ def label_columns(groups: list[dict], key: str = "busy_by_label") -> list[str]:
     weight: dict[str, float] = {}
     for g in groups:
         for r in g.get(key) or []:
-            weight[r["label"]] = weight.get(r["label"], 0.0) + r["ms"] * g["steps"]
+            weight[r["label"]] = weight.get(r["label"], 0.0) + _label_ms(g, r) * g["steps"]
     ordered = sorted(weight, key=lambda k: -weight[k])
     if len(ordered) > MAX_LABEL_COLUMNS:
         ordered = [*ordered[: MAX_LABEL_COLUMNS - 1], "other labels"]
     return ordered
+
+
+def _label_ms(group: dict, row: dict) -> float:
+    """A split row's ms a step; an idle row without one (no step known whole) by its share of the group's
+    GPU idle a step, for the columns' order only."""
+    if row["ms"] is not None:
+        return row["ms"]
+    idle = (group.get("gpu_idle_pct") or 0.0) / 100.0 * (group.get("step_ms_median") or 0.0)
+    return row["share_pct"] / 100.0 * idle
 
 
 def render_by_label(report: dict, console: Console) -> None:
@@ -118,6 +128,11 @@ def render_by_label(report: dict, console: Console) -> None:
     else:  # what the engine thread was in while the GPU idled (instrumented steps)
         _label_table(groups, "gpu_idle_by_label",
                      "GPU idle by host work, instrumented steps: ms a step (share of the GPU idle)", console)
+        partial = [g["title"] for g in groups if not (g.get("gpu_idle_by_label_steps") or [1])[0]]
+        if partial:  # one-step windows: the GPU's state before the step's first kernel is unknown
+            console.print(f"-: no step of {', '.join(partial)} has its GPU state known whole (one-step "
+                          "windows); its shares count the part after each step's first kernel started",
+                          highlight=False)
 
 
 def _label_table(groups: list[dict], key: str, title: str, console: Console, *, busy: bool = False) -> None:
@@ -134,8 +149,9 @@ def _label_table(groups: list[dict], key: str, title: str, console: Console, *, 
         by = {r["label"]: r for r in g[key]}
         rest = [r for label, r in by.items() if label not in shown]
         if "other labels" in names:
+            ms = [r["ms"] for r in rest]
             by["other labels"] = {
-                "ms": sum(r["ms"] for r in rest), "share_pct": sum(r["share_pct"] for r in rest)
+                "ms": None if None in ms else sum(ms), "share_pct": sum(r["share_pct"] for r in rest)
             }
         cells = [f"{fmt_num(by[n]['ms'])} {pct(by[n]['share_pct'])}" if n in by else "-" for n in names]
         table.add_row(g["title"], *([fmt_num(g["busy_ms_median"])] if busy else []), *cells)
