@@ -291,3 +291,34 @@ def test_a_group_with_too_few_instrumented_steps_takes_the_collectors_cost_measu
     level2 = summary.groups.iloc[1]
     assert (level2["concurrency"], level2["gpu_timing"], level2["kernel_steps"]) == (2, "sampled", 2)
     _assert_what_ifs_match_reruns(level2, simulate_kernel_timeline(300, mode=mode, **params), mode, params)
+
+
+def test_steps_are_instrumented_only_where_every_launching_process_recorded(tmp_path):
+    """A multiprocess engine: two workers (one per GPU) launch the kernels of the engine core's steps, each
+    sampling windows of its own, 20-29 and 25-34. Only steps 25-29 have every kernel recorded: there GPU
+    busy is the union of both workers' kernels (20 of 5 µs); steps where one worker was not recording are
+    not instrumented (their busy would read half)."""
+    import pyarrow as pa
+
+    from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter
+
+    timeline = simulate_kernel_timeline(60, mode="async", **CASES["launch-bound"])
+    run_dir = write_run(tmp_path / "run", timeline.frames)
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    kernels = timeline.kernels
+    launch = kernels["launch_start_ns"].to_numpy()
+    half = np.arange(len(kernels)) % 2
+    for worker, first in ((0, 20), (1, 25)):
+        lo, hi = int(starts[first]), int(ends[first + 9])
+        writer = SpoolWriter(run_dir / "spool", f"{1000 + worker}-worker")
+        mine = kernels[(half == worker) & (launch >= lo) & (launch < hi)]
+        writer.write("kernels", pa.RecordBatch.from_pandas(mine, schema=BASE_SCHEMAS["kernels"],
+                                                           preserve_index=False))
+        writer.write("kernel_windows", pa.RecordBatch.from_pandas(
+            pd.DataFrame([(lo, hi)], columns=["start_ns", "end_ns"]), schema=BASE_SCHEMAS["kernel_windows"],
+            preserve_index=False))
+        writer.close()
+    steps = summarize(load_run(run_dir), warmup_steps=0).steps
+    measured = steps[steps["gpu_timing"] == "kernels"]
+    assert sorted(measured["step"]) == list(range(25, 30))
+    assert np.allclose(measured["gpu_busy_ms"], 0.1)

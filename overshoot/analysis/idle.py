@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis.frames import codes_and_names, timeline_spans
-from overshoot.analysis.kernels import instrumented_steps, window_of
+from overshoot.analysis.kernels import instrumented_steps, joint_windows, window_of
 from overshoot.analysis.labels import UNLABELLED
 
 
@@ -246,9 +246,7 @@ def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> IdleSpli
         nan = np.full(len(steps), np.nan)
         return IdleSplit(steps, pd.DataFrame({"row": [], "label": [], "ns": []}), nan, nan.copy())
     own = kernels["pid"].to_numpy() == pid
-    windows = getattr(run, "kernel_windows", None)
-    if windows is not None and "pid" in windows.columns and len(windows):
-        windows = windows[windows["pid"].to_numpy() == pid]  # (each process samples its own windows)
-    parts, total, known = idle_by_label(steps, timeline_spans(run.spans, pid, thread),
-                                        kernels if own.all() else kernels[own], windows)
+    kernels = kernels if own.all() else kernels[own]
+    parts, total, known = idle_by_label(steps, timeline_spans(run.spans, pid, thread), kernels,
+                                        joint_windows(getattr(run, "kernel_windows", None), kernels))
     return IdleSplit(steps, parts, total, known)

@@ -101,6 +101,41 @@ def _window_bounds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return (windows["start_ns"].to_numpy("float64")[order], windows["end_ns"].to_numpy("float64")[order])
 
 
+def joint_windows(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The kernel-timing windows in which every process that launched the kernels recorded them: each
+    process samples its own windows (a multiprocess engine's workers, one per GPU, open them apart), and a
+    step is instrumented only where all of theirs cover it, else the kernels of a process that was not
+    recording are missing from its GPU busy. The intersection of the processes' windows; a process with
+    kernels but no windows recorded its whole run (kernels mode ended without closing its window)."""
+    if windows is None or len(windows) == 0 or "pid" not in windows.columns or kernels is None:
+        return windows
+    launching = set(kernels["pid"].unique().tolist())
+    mine = windows[windows["pid"].isin(launching)]
+    pids = mine["pid"].unique()
+    if len(pids) <= 1:
+        return mine
+    joint: list[tuple[int, int]] | None = None
+    for pid in pids:
+        own = mine[mine["pid"] == pid].sort_values("start_ns")
+        spans = list(zip(own["start_ns"].tolist(), own["end_ns"].tolist(), strict=True))
+        joint = spans if joint is None else _intersect(joint, spans)
+    return pd.DataFrame(joint or [], columns=["start_ns", "end_ns"], dtype="int64")
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame | None,
                        keys: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Steps lying inside a kernel-timing window (called with kernels recorded), and the number of windows
@@ -260,8 +295,9 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     rows = np.flatnonzero(code == code[primary_row(out)]) if n else np.zeros(0, "int64")
     # (the two columns step_kernels reads: a slice of the whole table would copy every column)
     times = out[["start_ns", "end_ns"]]
-    sk = step_kernels(times if len(rows) == n else times.iloc[rows], getattr(run, "kernels", None),
-                      getattr(run, "kernel_windows", None))
+    kernels = getattr(run, "kernels", None)
+    sk = step_kernels(times if len(rows) == n else times.iloc[rows], kernels,
+                      joint_windows(getattr(run, "kernel_windows", None), kernels))
     inst_rows = rows[sk.rows]  # the instrumented steps' rows in `out`
     inst = np.zeros(n, bool)
     inst[inst_rows] = True
