@@ -17,22 +17,22 @@ from overshoot.rundir.reader import load_run
 GRID_NS = 1_000
 
 
-def paint(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int,
-          hi_ns: int) -> tuple[np.ndarray, np.ndarray]:
-    """A 1 µs grid over [lo_ns, hi_ns): per cell whether a kernel ran (every kernel interval marks it busy)
-    and the label of the innermost span over it (inside a wait everything stays the wait)."""
+def paint(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int, *,
+          grid_ns: int = GRID_NS) -> tuple[np.ndarray, np.ndarray]:
+    """A grid of `grid_ns` cells over [lo_ns, hi_ns): per cell whether a kernel ran (every kernel interval
+    marks it busy) and the label of the innermost span over it (inside a wait everything stays the wait)."""
     start, end = int(lo_ns), int(hi_ns)
-    n = (end - start) // GRID_NS
+    n = (end - start) // grid_ns
     busy = np.zeros(n, bool)
     for s, e in zip(kernels["gpu_start_ns"], kernels["gpu_end_ns"], strict=True):
-        busy[max((s - start) // GRID_NS, 0):max((e - start) // GRID_NS, 0)] = True
+        busy[max((s - start) // grid_ns, 0):max((e - start) // grid_ns, 0)] = True
     label = np.full(n, "unlabelled", dtype=object)
     wait_depth = np.zeros(n, bool)
     # outer spans first, so the inner ones paint over them
     order = spans.assign(end=spans["start_ns"] + spans["dur_ns"]).sort_values(["start_ns", "end"],
                                                                               ascending=[True, False])
     for row in order.itertuples(index=False):
-        lo, hi = max((row.start_ns - start) // GRID_NS, 0), max((row.end - start) // GRID_NS, 0)
+        lo, hi = max((row.start_ns - start) // grid_ns, 0), max((row.end - start) // grid_ns, 0)
         name = f"wait:{row.label}" if row.kind == "wait" else row.label
         free = ~wait_depth[lo:hi]
         label[lo:hi][free] = name
@@ -41,10 +41,11 @@ def paint(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int,
     return busy, label
 
 
-def painted(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int) -> dict[str, float]:
-    """GPU idle ns per label in [lo_ns, hi_ns), by painting a 1 µs grid (paint)."""
-    busy, label = paint(kernels, spans, lo_ns, hi_ns)
-    return {name: float(((label == name) & ~busy).sum() * GRID_NS) for name in set(label[~busy])}
+def painted(kernels: pd.DataFrame, spans: pd.DataFrame, lo_ns: int, hi_ns: int, *,
+            grid_ns: int = GRID_NS) -> dict[str, float]:
+    """GPU idle ns per label in [lo_ns, hi_ns), by painting a grid (paint)."""
+    busy, label = paint(kernels, spans, lo_ns, hi_ns, grid_ns=grid_ns)
+    return {name: float(((label == name) & ~busy).sum() * grid_ns) for name in set(label[~busy])}
 
 
 def known_truth(timeline, windows: list[tuple[int, int]] | None = None) -> tuple[dict, dict, int]:
@@ -178,6 +179,45 @@ def test_one_step_windows_split_the_idle_after_the_first_kernel(tmp_path, mode):
     text = subprocess.run(command, capture_output=True, text=True).stdout
     assert "has its GPU state known whole (one-step windows)" in text, text
     assert "GPU idles most while the thread is in 'launch'" in text, text
+
+
+def test_a_group_without_a_window_borrows_the_split_of_its_shape_elsewhere(tmp_path):
+    """A costly collector's windows fall where its budget allows: here one in the warm-up before the first
+    load level and one in the first level, none in the second. The first level's split is its own window's;
+    the second borrows that of every instrumented step of its phase and batch size (the warm-up's and the
+    first level's), marked borrowed; the shares match a painting of those windows' known instants."""
+    import json
+    import subprocess
+    import sys
+
+    timeline = simulate_kernel_timeline(200, mode="async", **CASES["launch-bound"])
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[5]), int(ends[12])), (int(starts[60]), int(ends[69]))]
+    bounds = [int(starts[40]), int(starts[120]), int(ends[-1]) + 1]
+    meta = {"levels": [{"concurrency": c, "start_ns": bounds[k], "end_ns": bounds[k + 1]}
+                       for k, c in enumerate((1, 2))]}  # fmt: skip
+    run_dir = write_kernel_run(tmp_path / "run", timeline, windows=windows, meta=meta)
+    command = [sys.executable, "-m", "overshoot", "report", str(run_dir), "--by-label"]
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first, second = sorted(json.loads(done.stdout)["groups"], key=lambda g: g["concurrency"])
+    assert (first["gpu_idle_by_label_borrowed"], first["gpu_idle_by_label_steps"]) == (False, [9, 1])
+    assert (second["gpu_idle_by_label_borrowed"], second["gpu_idle_by_label_steps"]) == (True, [16, 2])
+    for group, known in ((first, windows[1:]), (second, windows)):
+        every, whole, n = known_truth(timeline, known)
+        total = sum(every.values())
+        got = {r["label"]: r for r in group["gpu_idle_by_label"]}
+        assert got and got.keys() <= every.keys()
+        for label, ns in every.items():
+            if whole.get(label, 0.0) / n < 1_000:
+                continue
+            assert got[label]["share_pct"] == pytest.approx(100 * ns / total, abs=1.0), label
+            assert got[label]["ms"] * 1e6 == pytest.approx(whole[label] / n, abs=1_500), label
+    assert second["gpu_idle_by_label"][0]["label"] == "launch"
+    text = " ".join(subprocess.run(command, capture_output=True, text=True).stdout.split())
+    assert "borrowed: decode @ 2 requests, batch 4 (18 steps): no instrumented step" in text, text
+    assert "decode @ 2 requests, batch 4 (borrowed) 0.30 52%" in text, text
+    assert "thread is in 'launch' (52% of its idle, borrowed)" in text, text
 
 
 def test_compare_sets_the_idle_split_of_two_runs_side_by_side(tmp_path):
@@ -350,7 +390,9 @@ def test_end_to_end_through_the_recorder_and_the_sampler(tmp_path):
         hi = steps.loc[step, "end_ns"]
         lo = hi - round(rows["known_ms"].iloc[0] * 1e6)
         assert lo >= steps.loc[step, "start_ns"]
-        truth = painted(truth_kernels, run.spans, int(lo), int(hi))
+        # (a 0.1 µs grid: the recorded times are anywhere between cells, and a 1 µs one rounds each of the
+        # step's dozen span and kernel edges by up to 1 µs, 3 µs on one label now and then)
+        truth = painted(truth_kernels, run.spans, int(lo), int(hi), grid_ns=100)
         got = dict(zip(rows["label"], rows["idle_ms"] * 1e6, strict=True))
         for name in set(truth) | set(got):
             assert got.get(name, 0.0) == pytest.approx(truth.get(name, 0.0), abs=3_000), (step, name)

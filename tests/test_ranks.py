@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import pandas as pd
+import pyarrow as pa
 import pytest
 from run_factory import Frames, simulate_timeline, write_run
 
 from overshoot.analysis.analyze import summarize
 from overshoot.rundir.clocks import align, resolved
 from overshoot.rundir.reader import load_run
-from overshoot.rundir.spool import BASE_SCHEMAS
+from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter
 
 STEPS, COMPUTE_MS, STRAGGLE_MS, DISPATCH_MS = 60, 4.0, 3.0, 0.2
 MS = 1_000_000
@@ -29,12 +30,36 @@ def _clock(offset_ns: int, *, boot: str = BOOT, error_ns: int = 50, slew_ns: int
         {"mono_ns": 9 * 10**9, "wall_ns": 9 * 10**9 + offset_ns + slew_ns, "error_ns": error_ns}]}
 
 
-def write_tp_run(path, *, worker_clock_shift_ns: int = 0, worker_boot: str = BOOT) -> None:
+KERNELS_A_STEP, KERNEL_FILL, KERNEL_OFFSET_MS = 8, 0.75, 0.02
+
+
+def _rank_kernels(sent: int, compute_ns: float, meet: int) -> list[tuple]:
+    """A rank's kernels of one step: KERNELS_A_STEP evenly spaced over its compute, each KERNEL_FILL of its
+    slot (the first KERNEL_OFFSET_MS after the step's start, each launched 5 µs before it starts), then the
+    all-reduce's kernel until the ranks meet (NCCL's kernel runs while the rank waits: GPU busy)."""
+    slot = compute_ns / KERNELS_A_STEP
+    rows = []
+    for j in range(KERNELS_A_STEP):
+        start = sent + int(KERNEL_OFFSET_MS * MS + j * slot)
+        end = start + int(KERNEL_FILL * slot)
+        rows.append(("kernel", "gemm", 7, 0, start - 5_000, start - 2_000, start, end))
+    if meet > sent + compute_ns:
+        start = sent + int(compute_ns)
+        rows.append(("kernel", "allreduce", 7, 0, start - 5_000, start - 2_000, start, meet))
+    return rows
+
+
+def write_tp_run(path, *, worker_clock_shift_ns: int = 0, worker_boot: str = BOOT, kernels: bool = False,
+                 windows: dict[int, tuple[int, int]] | None = None) -> None:
     """Engine core pid 100; workers pid 101 (rank 0) and 102 (rank 1). Each engine step schedules, sends
     the step to both workers and waits for rank 0's reply. A worker step: execute_model, in which it
     computes and then meets the other rank in one all-reduce; rank 1 computes STRAGGLE_MS longer.
-    `worker_clock_shift_ns`: the workers' monotonic clocks read that much later (another host)."""
+    `worker_clock_shift_ns`: the workers' monotonic clocks read that much later (another host). `kernels`:
+    each worker records its kernels (_rank_kernels), over the whole run or, with `windows` {rank: (first
+    step, last step)}, in a kernel-timing window of its own from the first step's start to the step after
+    the last one's start."""
     core_steps, core_spans, workers, gpus = [], [], {0: ([], []), 1: ([], [])}, {0: [], 1: []}
+    launched = {0: [], 1: []}
     t = 10**10
     for i in range(STEPS):
         begin = t
@@ -51,6 +76,7 @@ def write_tp_run(path, *, worker_clock_shift_ns: int = 0, worker_boot: str = BOO
             spans.append((i, "wait", "collective", sent + int(compute[rank]) + shift, waited))
             steps.append((i, sent + shift, end + int(0.1 * MS) + shift, waited, None, 8, None))
             gpus[rank].append((i, sent + int(0.1 * MS) + shift, meet + shift))
+            launched[rank] += _rank_kernels(sent + shift, compute[rank], meet + shift)
         reply = meet + int(0.3 * MS) + int(DISPATCH_MS * MS)
         core_spans.append((i, "wait", "worker_result", t, reply - t))
         t = reply + int(0.2 * MS)
@@ -68,6 +94,21 @@ def write_tp_run(path, *, worker_clock_shift_ns: int = 0, worker_boot: str = BOO
         facts = {"rank": [rank] * STEPS, "world_size": [2] * STEPS, "tp": [2] * STEPS}
         write_run(path, frames(steps, spans, gpus[rank]), pid=101 + rank, extra=facts,
                   info={"clock": _clock(-worker_clock_shift_ns, boot=worker_boot)})
+        if not kernels:
+            continue
+        table = pd.DataFrame(launched[rank], columns=BASE_SCHEMAS["kernels"].names)
+        writer = SpoolWriter(path / "spool", f"{101 + rank}-engine")
+        if windows is not None:
+            first, last = windows[rank]
+            starts = [row[1] for row in steps]
+            lo, hi = starts[first], starts[last + 1]
+            table = table[(table["launch_start_ns"] >= lo) & (table["launch_start_ns"] < hi)]
+            window = pd.DataFrame({"start_ns": [lo], "end_ns": [hi]})
+            writer.write("kernel_windows", pa.RecordBatch.from_pandas(
+                window, schema=BASE_SCHEMAS["kernel_windows"], preserve_index=False))
+        writer.write("kernels", pa.RecordBatch.from_pandas(table, schema=BASE_SCHEMAS["kernels"],
+                                                           preserve_index=False))
+        writer.close()
 
 
 def test_the_straggler_and_what_it_cost_are_found_from_per_rank_steps(tmp_path):
@@ -148,3 +189,83 @@ def test_report_json_terminal_and_dataset(tmp_path):
                              capture_output=True, text=True)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "overshoot export: error: --what ranks: this run has no per-rank steps (a single-rank engine)"]
+
+
+def _rank_truth() -> dict[int, dict]:
+    """Each rank's GPU over a steady step cycle (one step's start to the next's), from write_tp_run's
+    construction: the period, the GPU busy (its compute kernels, rank 0's all-reduce kernel while it waits
+    for rank 1) and the idle by what the worker was in: gaps between compute kernels inside execute_model,
+    the 0.3 ms after the ranks met (in the collective's wait span), 0.1 ms of the step after the span, and
+    the rest of the cycle between its steps (the engine core's update, schedule and dispatch)."""
+    period = 0.5 + DISPATCH_MS + COMPUTE_MS + STRAGGLE_MS + 0.3 + DISPATCH_MS + 0.2
+    out = {}
+    for rank, compute in ((0, COMPUTE_MS), (1, COMPUTE_MS + STRAGGLE_MS)):
+        busy = KERNEL_FILL * compute + (COMPUTE_MS + STRAGGLE_MS - compute)
+        labels = {"execute_model": (1 - KERNEL_FILL) * compute, "wait:collective": 0.3, "unlabelled": 0.1,
+                  "between_steps": period - (COMPUTE_MS + STRAGGLE_MS + 0.3 + 0.1)}
+        assert sum(labels.values()) == pytest.approx(period - busy)
+        out[rank] = {"period": period, "busy": busy, "labels": labels}
+    return out
+
+
+@pytest.mark.parametrize("windows", [None, {0: (10, 19), 1: (30, 39)}], ids=["whole", "own-windows"])
+def test_each_rank_gpu_busy_idle_and_where_it_idled(tmp_path, windows):
+    """Each worker's kernels on its own GPU: per rank, GPU busy a step cycle, its idle share and what the
+    worker was in while its GPU idled, against the construction's truth. With windows of each rank's own that
+    never overlap, the engine core's steps have no instrumented step (they need every rank's kernels), while
+    each rank still has its own figures."""
+    write_tp_run(tmp_path, kernels=True, windows=windows)
+    report = json.loads(subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    (group,) = report["ranks"]
+    truth = _rank_truth()
+    for r in group["per_rank"]:
+        t = truth[r["rank"]]
+        known = STEPS if windows is None else 10
+        assert r["gpu_cycles"] == known
+        assert r["gpu_busy_ms"] == pytest.approx(t["busy"], abs=1e-3)
+        # (the first known cycle counts from its first kernel on, the run's last to its last kernel's end)
+        assert r["gpu_idle_pct"] == pytest.approx(100 * (1 - t["busy"] / t["period"]), abs=1.0)
+        got = {x["label"]: x for x in r["gpu_idle_by_label"]}
+        assert got.keys() == t["labels"].keys()
+        idle = sum(t["labels"].values())
+        for label, ms in t["labels"].items():
+            assert got[label]["ms"] == pytest.approx(ms, abs=1e-3), (r["rank"], label)
+            assert got[label]["share_pct"] == pytest.approx(100 * ms / idle, abs=1.5), (r["rank"], label)
+    assert group["per_rank"][1]["gpu_idle_by_label"][0]["label"] == "execute_model"  # 1.75 of 3.15 ms idle
+    (engine,) = report["groups"]
+    if windows is None:  # the engine core's step: any GPU busy, the union of both ranks' kernels
+        assert engine["gpu_timing"] == "kernels"
+    else:
+        assert engine["gpu_timing"] != "sampled" and engine.get("gpu_busy_ms_median") is None
+    text = subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--width", "160"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "per rank GPU, from each rank's own kernel records" in text, text
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    cycles = STEPS if windows is None else 10
+    # (rank 0: execute_model and between_steps tie at 42%)
+    assert any(line.startswith(f"decode @ batch 4 0 {cycles} 6.00 ") for line in lines), text
+    assert f"1 {cycles} 5.25 37% execute_model 56%" in lines, text
+    out = tmp_path / "ranks.parquet"
+    subprocess.run([sys.executable, "-m", "overshoot", "export", str(tmp_path), "--what", "ranks", "-o",
+                    str(out)], capture_output=True, check=True)
+    table = pd.read_parquet(out)
+    busy = table.dropna(subset=["gpu_busy_ms"]).groupby("rank")["gpu_busy_ms"]
+    # (known whole: all but the first cycle of a window, and the whole run's last one)
+    assert busy.size().to_dict() == ({0: STEPS - 2, 1: STEPS - 2} if windows is None else {0: 9, 1: 9})
+    assert busy.median().to_numpy() == pytest.approx([truth[0]["busy"], truth[1]["busy"]], abs=1e-3)
+    assert (table["cycle_ms"].iloc[:-1] > 0).all() and str(table["known_ms"].dtype) == "float64"
+    apart = "the kernel-timing windows of the 2 processes that launched kernels never overlapped"
+    assert (apart in " ".join(text.split())) == (windows is not None), text
+
+
+def test_ranks_without_kernel_records_show_no_gpu_table(tmp_path):
+    write_tp_run(tmp_path)
+    report = json.loads(subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    for r in report["ranks"][0]["per_rank"]:
+        figures = (r["gpu_cycles"], r["gpu_busy_ms"], r["gpu_idle_pct"], r["gpu_idle_by_label"])
+        assert figures == (0, None, None, [])
+    text = subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--width", "160"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "per rank GPU" not in text

@@ -21,7 +21,7 @@ from overshoot.analysis.frames import (
     timeline_spans,
     worker_rows,
 )
-from overshoot.analysis.kernels import SOURCES, per_group, primary_row
+from overshoot.analysis.kernels import SOURCES, per_group, primary_row, windows_apart
 from overshoot.analysis.ranks import summarize_ranks
 from overshoot.analysis.steps import (  # re-exported: the steps table is part of this module's API
     CPU_BOUND_SHARE,
@@ -159,6 +159,9 @@ class Summary:
     notes: list[str] = field(default_factory=list)
     what_ifs: list = field(default_factory=list)
     ranks: object = None  # analysis/ranks.RankSummary of a multi-rank engine, else None
+    # every step of the primary timeline (warm-up and steps outside the load levels too), ordered by start:
+    # the steps a group without kernel data of its own borrows its idle split from
+    timeline: pd.DataFrame | None = None
 
 
 # Async alignment check: CPU-bound share vs share of steps with GPU idle before them, in percentage points.
@@ -207,13 +210,18 @@ def summarize(
     notes = _notes(full, on_primary, groups, keys, guess, proj, pid, thread, warmup_steps)
     if left_out:
         notes.insert(1, left_out)
+    apart = windows_apart(getattr(run, "kernel_windows", None), getattr(run, "kernels", None))
+    if apart:
+        notes.append(f"the kernel-timing windows of the {apart} processes that launched kernels never "
+                     "overlapped: no step has every GPU's kernels recorded; each rank's own GPU is in the "
+                     "per-rank GPU table")
     if step_kernels.empty_windows:
         notes.append(f"{step_kernels.empty_windows} kernel-timing window(s) recorded no kernel (records "
                      "lost): their steps are not counted as instrumented")
     ranks = summarize_ranks(run, full, kept, pid, keys)
     if ranks is not None:
         notes += ranks.notes
-    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs, ranks)
+    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs, ranks, timeline)
 
 
 def _summarised(kept: pd.DataFrame) -> tuple[pd.DataFrame, str]:

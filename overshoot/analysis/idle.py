@@ -235,6 +235,25 @@ def group_idle_by_label(split: IdleSplit, group_id: np.ndarray, n_groups: int) -
     return out
 
 
+def split_by_group(split: IdleSplit, own: np.ndarray, pool: np.ndarray, group_pool: np.ndarray,
+                   n_groups: int) -> list[dict]:
+    """group_idle_by_label by `own` (a group per step, -1: none), each entry marked "borrowed": False. A group
+    with no step of its own whose idle is known borrows the split of the known steps of its pool instead
+    (`pool` per step, `group_pool` per group, -1: none: its phase and batch size at any load level, the
+    warm-up included, the same shapes on the GPU), marked True: a collector that slows eager steps 4x
+    affords a window of a few steps every minute or two at sampled mode's budget (in a short run, the
+    warm-up's)."""
+    out = [{**entry, "borrowed": False} for entry in group_idle_by_label(split, own, n_groups)]
+    lacking = [g for g, entry in enumerate(out) if not any(entry["steps"]) and group_pool[g] >= 0]
+    if lacking:
+        n_pools = int(max(pool.max(initial=-1), group_pool.max(initial=-1))) + 1
+        lent = group_idle_by_label(split, pool, n_pools)
+        for g in lacking:
+            if any(lent[group_pool[g]]["steps"]):
+                out[g] = {**lent[group_pool[g]], "borrowed": True}
+    return out
+
+
 def primary_idle(run, steps: pd.DataFrame, primary: tuple[int, str]) -> IdleSplit:
     """idle_by_label over the primary timeline `primary` (pid, thread) of a loaded run: its steps `steps`
     (ordered by start here), its spans, and the kernels its process launched (another process's ran on

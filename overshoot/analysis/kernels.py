@@ -119,7 +119,18 @@ def joint_windows(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) ->
         own = mine[mine["pid"] == pid].sort_values("start_ns")
         spans = list(zip(own["start_ns"].tolist(), own["end_ns"].tolist(), strict=True))
         joint = spans if joint is None else _intersect(joint, spans)
-    return pd.DataFrame(joint or [], columns=["start_ns", "end_ns"], dtype="int64")
+    # None in common: one empty window, so that no step is instrumented (no windows would read as a run
+    # recorded whole)
+    return pd.DataFrame(joint or [(0, 0)], columns=["start_ns", "end_ns"], dtype="int64")
+
+
+def windows_apart(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) -> int:
+    """How many processes launched kernels in windows of their own with none in common (0: one process, no
+    windows, or some overlap)."""
+    joint = joint_windows(windows, kernels)
+    if joint is None or len(joint) != 1 or int(joint["end_ns"].iat[0]) > int(joint["start_ns"].iat[0]):
+        return 0
+    return int(windows[windows["pid"].isin(kernels["pid"].unique())]["pid"].nunique())
 
 
 def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -148,7 +159,7 @@ def instrumented_steps(start: np.ndarray, end: np.ndarray, windows: pd.DataFrame
     if keys is not None:
         sorted_keys = np.sort(keys)
         has = np.searchsorted(sorted_keys, w_end, side="right") > np.searchsorted(sorted_keys, w_start)
-        empty = int((~has).sum())
+        empty = int((~has & (w_end > w_start)).sum())  # (an empty window holds nothing to lose)
         w_start, w_end = w_start[has], w_end[has]
     i = np.searchsorted(w_start, start, side="right") - 1
     ok = i >= 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from overshoot.analysis import rank_gpu
 from overshoot.analysis.frames import worker_rows
 from overshoot.rundir.clocks import align
 
@@ -34,6 +35,8 @@ RANK_COLUMNS = ["step", "rank", "pid", "busy_ms", "collective_ms", "compute_ms",
 @dataclass
 class RankSummary:
     per_rank: pd.DataFrame  # one row per (engine step, rank): RANK_COLUMNS + the engine step's group keys
+    # each rank's own GPU per row of per_rank (analysis/rank_gpu.py): cycle_ms, known_ms, gpu_idle_ms,
+    # gpu_busy_ms; and its idle split's parts (row into per_rank, label, ns, whole)
     per_step: pd.DataFrame  # one row per engine step: spread_ms, last_rank, error_ms, resolved
     groups: pd.DataFrame  # per group: ranks, slowest rank and how often, median spread, per-rank medians
     notes: list[str] = field(default_factory=list)
@@ -51,7 +54,7 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
     spans = run.spans
     scheduled = _scheduled_steps(spans, primary_pid, run.steps)
     alignment = align(run.processes, primary_pid)
-    rows = []
+    rows, idle_parts, offset = [], [], 0
     for (pid, thread), mine in workers.sort_values("start_ns").groupby(["pid", "thread"], sort=True):
         rank = int(pd.to_numeric(mine["rank"]).iloc[0])
         mine = mine.reset_index(drop=True)
@@ -60,6 +63,12 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
             notes.append(f"rank {rank} (pid {pid}) ran {len(mine)} steps, the engine core scheduled "
                          f"{len(scheduled)}: the first {n} are joined in order")
         part = _rank_rows(mine.iloc[:n], spans, int(pid), str(thread))
+        gpu, parts = rank_gpu.rank_idle(run, mine, int(pid), str(thread))
+        for name in rank_gpu.COLUMNS:
+            part[name] = gpu[name].to_numpy()[:n]
+        parts = parts[parts["row"].to_numpy() < n]
+        idle_parts.append(parts.assign(row=parts["row"].to_numpy() + offset))
+        offset += n
         shift = alignment.get(int(pid))
         part["finish_ns"] = part["finish_ns"] + (shift.offset_ns if shift else 0)
         part["error_ns"] = np.nan if shift is None or shift.error_ns is None else float(shift.error_ns)
@@ -78,11 +87,12 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
     # the engine steps' groups (steps the summary leaves out, e.g. warm-up, get none)
     per_rank = per_rank.merge(engine_steps[["step", *group_cols]], on="step", how="left")
     per_step = _per_step(per_rank)
-    groups = _groups(per_rank, per_step, group_cols)
+    groups = _groups(per_rank, per_step, group_cols, pd.concat(idle_parts, ignore_index=True))
     basis = {a.basis for pid, a in alignment.items() if pid in set(per_rank["pid"])}
     notes.append("ranks joined to the engine core's steps by the order of the scheduler outputs they ran; "
                  f"clocks: {', '.join(sorted(basis))}")
-    return RankSummary(per_rank[[*RANK_COLUMNS, "error_ns", *group_cols]], per_step, groups, notes)
+    columns = [*RANK_COLUMNS, "error_ns", *rank_gpu.COLUMNS, *group_cols]
+    return RankSummary(per_rank[columns], per_step, groups, notes)
 
 
 def _scheduled_steps(spans: pd.DataFrame, pid: int, raw_steps: pd.DataFrame) -> pd.DataFrame:
@@ -141,7 +151,8 @@ def _per_step(per_rank: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str],
+            idle_parts: pd.DataFrame) -> pd.DataFrame:
     steps = per_step.merge(per_rank.drop_duplicates("step")[["step", *keys]], on="step", how="inner")
     steps = steps[(steps["ranks"] > 1) & steps[keys].notna().all(axis=1)]  # summarised engine steps only
     rows = []
@@ -153,6 +164,7 @@ def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str]) -> 
         last = grp.loc[grp["resolved"], "last_rank"].value_counts()
         ranks = per_rank[per_rank["step"].isin(grp["step"])]
         medians = ranks.groupby("rank")[["busy_ms", "collective_ms", "compute_ms"]].median()
+        gpu = {int(r): rank_gpu.rank_figures(mine, idle_parts) for r, mine in ranks.groupby("rank")}
         row.update(
             steps=len(grp), ranks=int(grp["ranks"].max()),
             slowest_rank=int(slowest.index[0]), slowest_pct=100.0 * slowest.iloc[0] / len(grp),
@@ -162,7 +174,8 @@ def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str]) -> 
             spread_ms_median=float(grp["spread_ms"].median()),
             spread_error_ms=float(grp["error_ms"].max()) if grp["error_ms"].notna().any() else None,
             unresolved_pct=100.0 * (1 - grp["resolved"].mean()),
-            per_rank={int(r): {k: float(v) for k, v in m.items()} for r, m in medians.iterrows()},
+            per_rank={int(r): {**{k: float(v) for k, v in m.items()}, **gpu[int(r)]}
+                      for r, m in medians.iterrows()},
         )
         rows.append(row)
     return pd.DataFrame(rows)

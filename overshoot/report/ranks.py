@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from overshoot.analysis.frames import plain
-from overshoot.report.fmt import fmt_num, report_table
+from overshoot.report.fmt import fmt_num, pct, report_table
 
 
 def rank_groups(summary, title_of) -> list[dict] | None:
@@ -43,3 +43,22 @@ def render_ranks(report: dict, console: Console) -> None:
                           fmt_num(r["collective_ms"]), fmt_num(r["compute_ms"]))
     console.print(table)
     console.print("(ms, medians a step)", highlight=False)
+    render_rank_gpus(groups, console)
+
+
+def render_rank_gpus(groups: list[dict], console: Console) -> None:
+    """Each rank's own GPU from its kernel records (analysis/rank_gpu.py), where any rank has them."""
+    if not any(r.get("gpu_cycles") for g in groups for r in g["per_rank"]):
+        return
+    table = report_table("per rank GPU, from each rank's own kernel records: busy ms a step cycle (from one "
+                         "step's start to the next's), idle share of the cycle, what the worker was in while "
+                         "its GPU idled")
+    for name in ("group", "rank", "cycles", "GPU busy", "GPU idle", "idle mostly in"):
+        table.add_column(name, justify="left" if name in ("group", "idle mostly in") else "right")
+    for g in groups:
+        for i, r in enumerate(g["per_rank"]):
+            top = (r.get("gpu_idle_by_label") or [None])[0]
+            where = f"{top['label']} {pct(top['share_pct'])}" if top else "-"
+            table.add_row(g["title"] if i == 0 else "", str(r["rank"]), str(r.get("gpu_cycles") or 0),
+                          fmt_num(r.get("gpu_busy_ms")), pct(r.get("gpu_idle_pct")), where)
+    console.print(table)

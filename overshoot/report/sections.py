@@ -35,14 +35,12 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
     split is empty although the run has kernel records, if it is."""
     spans = timeline_spans(run.spans, *summary.primary)
     split = labels.busy_by_label(summary.steps, spans, summary.groups, summary.group_keys)
-    known = idle.primary_idle(run, summary.steps, summary.primary)
-    steps = known.steps
-    group_of_step = labels.group_rows(steps, summary.groups, summary.group_keys) if len(steps) else []
-    idle_split = idle.group_idle_by_label(known, np.asarray(group_of_step, "int64"), len(summary.groups))
+    idle_split = _idle_split(run, summary)
     for group, rows, idle_entry in zip(groups, split, idle_split, strict=True):
         group["busy_by_label"] = rows
         group["gpu_idle_by_label"] = idle_entry["rows"]
         group["gpu_idle_by_label_steps"] = idle_entry["steps"]
+        group["gpu_idle_by_label_borrowed"] = idle_entry["borrowed"]
     kernels = getattr(run, "kernels", None)
     if any(e["rows"] for e in idle_split) or kernels is None or len(kernels) == 0:
         return None
@@ -52,6 +50,27 @@ def add_sections(groups: list[dict], *, run, summary: Summary) -> str | None:
                 "kernels); the split covers the primary timeline's process only")
     return ("GPU idle by host work: no summarised step lies inside a kernel-timing window after its first "
             "kernel started (the GPU's state is known from there)")
+
+
+def _idle_split(run, summary: Summary) -> list[dict]:
+    """GPU idle by host work per group (idle.split_by_group) over the whole primary timeline: a group's own
+    summarised steps, or, where none of them is instrumented, its phase and batch size's anywhere else."""
+    timeline = summary.timeline if summary.timeline is not None else summary.steps
+    # (primary_idle orders the steps by start, stably: the same order for the mask of summarised ones)
+    order = np.argsort(timeline["start_ns"].to_numpy(), kind="stable")
+    summarised = timeline.index.isin(summary.steps.index)[order]
+    known = idle.primary_idle(run, timeline, summary.primary)
+    steps, groups, keys = known.steps, summary.groups, summary.group_keys
+    empty = np.zeros(0, "int64")
+    own = np.where(summarised, labels.group_rows(steps, groups, keys), -1) if len(steps) else empty
+    pool_keys = [k for k in keys if k != "concurrency"]
+    if pool_keys and len(steps) and len(groups):
+        pools = groups[pool_keys].drop_duplicates().reset_index(drop=True)
+        pool = labels.group_rows(steps, pools, pool_keys)
+        group_pool = labels.group_rows(groups, pools, pool_keys)
+    else:
+        pool, group_pool = np.full(len(steps), -1, "int64"), np.full(len(groups), -1, "int64")
+    return idle.split_by_group(known, np.asarray(own, "int64"), pool, group_pool, len(groups))
 
 
 def own_cost(run, summary: Summary) -> str | None:
@@ -126,8 +145,16 @@ def render_by_label(report: dict, console: Console) -> None:
                                                         "with --gpu-timing sampled or kernels)")
         console.print(why, highlight=False)
     else:  # what the engine thread was in while the GPU idled (instrumented steps)
-        _label_table(groups, "gpu_idle_by_label",
+        shown = [{**g, "title": f"{g['title']} (borrowed)"} if g.get("gpu_idle_by_label_borrowed") else g
+                 for g in groups]
+        _label_table(shown, "gpu_idle_by_label",
                      "GPU idle by host work, instrumented steps: ms a step (share of the GPU idle)", console)
+        lent = [g for g in groups if g.get("gpu_idle_by_label_borrowed")]
+        if lent:  # no instrumented step of its own: its phase and batch size's elsewhere (sampled mode)
+            which = ", ".join(f"{g['title']} ({sum(g['gpu_idle_by_label_steps'])} steps)" for g in lent)
+            console.print(f"borrowed: {which}: no instrumented step of the group's own; the split is that of "
+                          "the instrumented steps of its phase and batch size elsewhere in the run (the "
+                          "warm-up, other load levels)", highlight=False)
         partial = [g["title"] for g in groups if not (g.get("gpu_idle_by_label_steps") or [1])[0]]
         if partial:  # one-step windows: the GPU's state before the step's first kernel is unknown
             console.print(f"-: no step of {', '.join(partial)} has its GPU state known whole (one-step "

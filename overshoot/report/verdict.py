@@ -39,7 +39,8 @@ def _line(g: dict, what_ifs: list[str]) -> str:
     starved_in = max(g.get("gpu_idle_by_label") or [], key=lambda r: r["share_pct"], default=None)
     if bound and starved_in:  # kernel records: what the thread did while the GPU waited, not only its busy
         parts.append(f"the GPU idles most while the thread is in '{starved_in['label']}' "
-                     f"({pct(starved_in['share_pct'])} of its idle)")
+                     f"({pct(starved_in['share_pct'])} of its idle"
+                     f"{', borrowed' if g.get('gpu_idle_by_label_borrowed') else ''})")
     elif bound and label:
         parts.append(f"'{label['label']}' is {pct(label['share_pct'])} of CPU busy")
     best = _best_change(g, what_ifs)

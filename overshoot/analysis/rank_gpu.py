@@ -1,0 +1,114 @@
+"""Each rank's own GPU (docs/concepts.md, "Multi-rank engines"): how busy it was a step, how much of the
+step it idled, and what its worker thread was in while it idled. A multiprocess engine's workers launch the
+kernels, each on its own GPU; the engine core's steps see the union of them all ("any GPU busy"), which hides
+a rank that idles while another computes.
+
+A worker's step cycle runs from the start of one of its steps (a scheduler output it runs) to the start of
+the next (the last one: to its end), so the time between its steps, when the worker waits for the engine
+core's next output, is in the cycle before: on a CPU-bound engine core that is where every rank's GPU
+starves. The worker's time between its steps outside any span of its own is labelled `between_steps`. GPU
+idle is known where the rank's own kernel-timing windows say (analysis/idle.py, over the rank's kernels and
+windows alone: a rank needs no other rank's window, unlike the engine core's steps, which need all of
+theirs). Times stay on the worker's own clock: no alignment between processes enters these figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from overshoot.analysis import idle
+from overshoot.analysis.frames import timeline_spans
+
+BETWEEN_STEPS = "between_steps"
+COLUMNS = ("cycle_ms", "known_ms", "gpu_idle_ms", "gpu_busy_ms")  # per (engine step, rank)
+
+
+def cycles(steps: pd.DataFrame) -> pd.DataFrame:
+    """A worker's steps (ordered by start) as step cycles: each from its start to the next one's start."""
+    start = steps["start_ns"].to_numpy("int64")
+    end = steps["end_ns"].to_numpy("int64")
+    cycle_end = np.append(np.maximum(start[1:], end[:-1]), end[-1:]) if len(start) else end
+    return pd.DataFrame({"step": steps["step"].to_numpy(), "start_ns": start, "end_ns": cycle_end})
+
+
+def _between_spans(steps: pd.DataFrame, pid: int, thread: str) -> pd.DataFrame:
+    """A busy span `between_steps` over each gap between two of the worker's steps: the outermost span
+    there, so a span of the worker's own inside the gap (e.g. a sampling call made outside the step) keeps
+    its label."""
+    start = steps["start_ns"].to_numpy("int64")
+    end = steps["end_ns"].to_numpy("int64")
+    gap = start[1:] > end[:-1]
+    lo, hi = end[:-1][gap], start[1:][gap]
+    return pd.DataFrame({"pid": pid, "thread": thread, "step": steps["step"].to_numpy()[:-1][gap],
+                         "kind": "busy", "label": BETWEEN_STEPS, "start_ns": lo, "dur_ns": hi - lo})
+
+
+def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One worker timeline's steps (ordered by start) as cycles, with per cycle `cycle_ms`, `known_ms` (the
+    part whose GPU state the rank's kernel records know; NaN: none), `gpu_idle_ms` (known idle in it) and
+    `gpu_busy_ms` (known minus idle, where the cycle is known whole); and the idle split's parts (row into
+    the cycles, label, ns, whole: the cycle is known whole). Empty parts without kernel records of the pid."""
+    frame = cycles(steps)
+    n = len(frame)
+    frame["cycle_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
+    for name in ("known_ms", "gpu_idle_ms", "gpu_busy_ms"):
+        frame[name] = np.full(n, np.nan)
+    none = pd.DataFrame({"row": np.zeros(0, "int64"), "label": [], "ns": [], "whole": np.zeros(0, bool)})
+    kernels = getattr(run, "kernels", None)
+    if kernels is None or n == 0:
+        return frame, none
+    kernels = kernels[kernels["pid"].to_numpy() == pid]
+    if len(kernels) == 0:
+        return frame, none
+    windows = getattr(run, "kernel_windows", None)
+    if windows is not None and "pid" in windows.columns:
+        windows = windows[windows["pid"].to_numpy() == pid]
+    if windows is not None and len(windows) == 0:
+        windows = None  # kernels but no window: the process recorded its whole run
+    own = timeline_spans(run.spans, pid, thread)
+    spans = pd.concat([s for s in (own, _between_spans(steps, pid, thread)) if s is not None and len(s)],
+                      ignore_index=True)
+    parts, total, known = idle.idle_by_label(frame, spans, kernels, windows)
+    frame["known_ms"] = known / 1e6
+    frame["gpu_idle_ms"] = total / 1e6
+    whole = known >= (frame["end_ns"] - frame["start_ns"]).to_numpy("float64")
+    frame["gpu_busy_ms"] = np.where(whole, (known - total) / 1e6, np.nan)
+    rows = parts["row"].to_numpy("int64")
+    return frame, parts.assign(whole=whole[rows])
+
+
+def split_of(parts: pd.DataFrame, idle_ms: np.ndarray, whole: np.ndarray) -> list[dict]:
+    """The idle split of some cycles (`parts` of theirs; their known idle and known-whole flags): label, ms a
+    cycle over the cycles known whole (None: none), share of the known idle in %; largest first."""
+    total = float(np.nansum(idle_ms))
+    if total <= 0 or len(parts) == 0:
+        return []
+    n_whole = int(whole.sum())
+    sums = parts.assign(whole_ns=np.where(parts["whole"], parts["ns"], 0.0)).groupby("label")[
+        ["ns", "whole_ns"]].sum()
+    rows = [{"label": str(label), "ms": ns_whole / n_whole / 1e6 if n_whole else None,
+             "share_pct": 100.0 * ns / (total * 1e6)}
+            for label, (ns, ns_whole) in zip(sums.index, sums.to_numpy(), strict=True) if ns > 0]
+    return sorted(rows, key=lambda r: -r["share_pct"])
+
+
+def rank_figures(rows: pd.DataFrame, parts: pd.DataFrame) -> dict:
+    """One rank's GPU over some of its cycles (`rows` of the per-rank table, indexed as `parts`' row):
+    `gpu_cycles` known (whole or in part), `gpu_busy_ms` (median over the cycles known whole), `gpu_idle_pct`
+    (known idle over known time) and `gpu_idle_by_label` (split_of); None and [] without kernel records."""
+    known = rows["known_ms"].to_numpy("float64")
+    mask = ~np.isnan(known)
+    busy = rows["gpu_busy_ms"].to_numpy("float64")
+    idle_ms = rows["gpu_idle_ms"].to_numpy("float64")
+    total = known[mask].sum()
+    if not mask.any():
+        return {"gpu_cycles": 0, "gpu_busy_ms": None, "gpu_idle_pct": None, "gpu_idle_by_label": []}
+    whole = ~np.isnan(busy)
+    mine = parts[parts["row"].isin(rows.index[mask])]
+    return {
+        "gpu_cycles": int(mask.sum()),
+        "gpu_busy_ms": float(np.median(busy[whole])) if whole.any() else None,
+        "gpu_idle_pct": 100.0 * float(idle_ms[mask].sum() / total) if total > 0 else None,
+        "gpu_idle_by_label": split_of(mine, idle_ms[mask], whole[mask]),
+    }
