@@ -762,3 +762,84 @@ def test_the_kernel_budget_reaches_the_sampler_and_bad_values_are_refused(tmp_pa
         done = subprocess.run([sys.executable, "-m", "overshoot", "run", "--kernel-budget", bad,
                                "--out", str(tmp_path / bad.replace("%", ""))], capture_output=True, text=True)
         assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+class TimedSwitches(VirtualCollector):
+    """Each switch moves a virtual clock (a list holding its now) by `switch_ns`."""
+
+    def __init__(self, clock: list[int], switch_ns: int):
+        super().__init__()
+        self.clock, self.switch_ns = clock, switch_ns
+
+    def enable(self) -> None:
+        super().enable()
+        self.clock[0] += self.switch_ns
+
+    def disable(self) -> None:
+        super().disable()
+        self.clock[0] += self.switch_ns
+
+
+def _play_ranks(tmp_path, monkeypatch, *, lockstep: bool, steps: int = 6_000) -> tuple[list, list[float]]:
+    """Two ranks' samplers over the same decode steps, each on a virtual clock of its own (1 ms steps ±2%),
+    their collectors slowing steps 3% and 6% with switches of 0.1 and 0.15 ms (so their measured costs space
+    their windows differently). Per rank: which steps ran inside a window; the windows' cost over the run."""
+    from overshoot.record import kernel_timing
+
+    clocks = [[10**12], [10**12]]
+    now = [clocks[0]]
+    monkeypatch.setattr(kernel_timing, "perf_counter_ns", lambda: now[0][0])
+    ratios, switches = (0.03, 0.06), (100_000, 150_000)
+    samplers = []
+    for r in (0, 1):
+        rec = Recorder(tmp_path / f"{lockstep}-{r}", engine="virtual")
+        sampler = KernelSampler(rec, TimedSwitches(clocks[r], switches[r]), budget=0.005, drain_seconds=60)
+        sampler.lockstep = lockstep
+        samplers.append((rec, sampler))
+    rng = np.random.default_rng(0)
+    inside, plain = [[], []], [0, 0]
+    for _ in range(steps):
+        for r, (_rec, sampler) in enumerate(samplers):
+            now[0] = clocks[r]
+            t = sampler.at_step(clocks[r][0], 8, "decode")
+            step = int(1_000_000 * (1 + rng.uniform(-0.02, 0.02)))
+            clocks[r][0] = t + int(step * (1 + ratios[r] if sampler._on else 1))
+            inside[r].append(sampler._on)
+            plain[r] += step
+    for rec, sampler in samplers:
+        sampler.close(wait_seconds=0.1)
+        rec.close()
+    return inside, [(clocks[r][0] - 10**12) / plain[r] - 1 for r in (0, 1)]
+
+
+def test_ranks_in_lockstep_open_their_windows_together(tmp_path, monkeypatch):
+    """The engine core's steps need every rank's kernels. Sampling on their own, two ranks whose collectors
+    cost differently open their windows apart and few steps are instrumented on both; in lockstep (windows at
+    multiples of LOCKSTEP_SLOT, drawn from the step count alone) the ranks' windows nest: the steps the
+    costlier rank instrumented the other did too, or nearly, each within its budget."""
+    # (eight runs each: 7-19% of the fewer instrumented steps on both ranks apart, 83-99% in lockstep; the
+    # rest in lockstep are windows one rank's budget shortened or left out, and each group's first window)
+    apart, _ = _play_ranks(tmp_path, monkeypatch, lockstep=False)
+    both = np.logical_and(*apart)
+    assert both.sum() < 0.35 * min(sum(apart[0]), sum(apart[1])), (both.sum(), sum(apart[0]), sum(apart[1]))
+    together, costs = _play_ranks(tmp_path, monkeypatch, lockstep=True)
+    both = np.logical_and(*together)
+    fewer = min(sum(together[0]), sum(together[1]))
+    assert fewer >= 100 and both.sum() >= 0.75 * fewer, (both.sum(), sum(together[0]), sum(together[1]))
+    assert all(0 < cost <= 0.006 for cost in costs), costs
+    # windows open at step counts every rank shares: the probe at a multiple of LOCKSTEP_PROBE
+    assert together[0].index(True) == together[1].index(True) == 63
+
+
+def test_a_rank_of_several_samples_in_lockstep_and_says_so(tmp_path):
+    """The hooks give a worker's parallel layout as process facts: world size 2 puts its sampler in lockstep
+    (a single-rank worker's stays free), and the process record says which."""
+    for world, expected in ((2, True), (1, False)):
+        rec = Recorder(tmp_path / f"w{world}", engine="virtual")
+        rec._sampler = KernelSampler(rec, VirtualCollector(), drain_seconds=0.05)
+        rec.process_facts(rank=0, world_size=world)
+        assert rec._sampler.lockstep is expected
+        rec.step_begin(batch_size=1, num_tokens=1, phase="decode")
+        rec.close()
+        (process,) = load_run(tmp_path / f"w{world}").processes
+        assert process["kernel_timing"]["lockstep"] is expected and process["world_size"] == world

@@ -9,19 +9,24 @@ is stored (`Recorder.kernel_window`) so the analyzer knows which steps were inst
 
 Modes: "kernels" records every step (one window for the whole run). "sampled" records windows of
 `window_steps` steps and spaces them so that what a window costs (the measured slowdown of its steps and the
-time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector
-that slows eager steps 3x gets windows far apart, one that costs 3% gets them often). A window also opens
-early, after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so
-that the groups of a load sweep get kernel data of their own; such a window is shortened (to as few as one
-step) or left out so that what every window cost so far stays within 1.5 times the budget of the run's time
-(idle and paused stretches left out), and a regular window waits until the total is back within the budget:
-with a costly collector a sweep of many groups would otherwise pay a window a group (seen on a virtual sweep:
-3% at a 0.5% budget, a collector slowing steps 4x). The first window, opened as soon as the collector is
-ready (usually in the engine's warm-up), is a probe of `probe_steps` that measures the cost and marks no
-group as seen. In both modes the collector's once-a-process set-up
-(`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the engine
-thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets the
-instrumented steps against to measure the collector's own cost per launch call.
+time of its two switches), averaged over the run, stays within `budget` (the spacing adapts: a collector that
+slows eager steps 3x gets windows far apart, one that costs 3% gets them often). A window also opens early,
+after at least `min_gap` steps, the first time a (phase, batch size) is seen outside any window, so that the
+groups of a load sweep get kernel data of their own; such a window is shortened (to as few as one step) or
+left out so that what every window cost so far stays within 1.5 times the budget of the run's time (idle and
+paused stretches left out), and a regular window waits until the total is back within the budget: with a
+costly collector a sweep of many groups would otherwise pay a window a group (seen on a virtual sweep: 3% at a
+0.5% budget, a collector slowing steps 4x). The first window, opened as soon as the collector is ready
+(usually in the engine's warm-up), is a probe of `probe_steps` that measures the cost and marks no group as
+seen. In lockstep (a rank of a multi-rank engine: `Recorder.process_facts` with world_size > 1), windows open
+only at multiples of `LOCKSTEP_SLOT` steps, a regular one where a number drawn from the step count alone falls
+below the rate its gap sets (`_lockstep_length`). Every rank counts the same steps (one per scheduler output)
+and draws the same numbers, so the ranks' windows coincide, or nest where their measured costs differ, and
+the engine core's steps, which need every rank's kernels, get instrumented steps; ranks sampling on their own
+open their windows apart. In both modes the collector's once-a-process
+set-up (`prepare`: CUPTI's is 50-240 ms) runs on the drain thread, and the first window opens after it: the
+engine thread never stalls for it, and in kernels mode the steps before that window are what the analyzer sets
+the instrumented steps against to measure the collector's own cost per launch call.
 
 A window closes at a step boundary, but the collector is switched off only once the GPU has finished the
 work launched inside it (`fence`: the CUDA end event of the latest step, queried without waiting; at most
@@ -50,6 +55,8 @@ TIMING_LABEL = "overshoot:kernel-timing"
 # Early windows (a group's first) may run what all windows cost up to this many times the budget; regular
 # windows then wait until it is back within the budget.
 EARLY_ALLOWANCE = 1.5
+# In lockstep windows open only at multiples of this step count (ranks ready within it probe together).
+LOCKSTEP_SLOT = 64
 
 
 class Recorder(Protocol):
@@ -111,6 +118,8 @@ class KernelSampler:
         self.windows = 0
         self.dropped = 0  # records outside every window, or that ended after the collector went off
         self.cost_ratio: float | None = None  # last measured slowdown of steps inside a window
+        self.lockstep = False  # windows at step counts every rank shares (module docstring)
+        self._k = 0  # step boundaries seen
         self._on = False
         self._closing: Callable[[], bool] | None = None  # window closed; the collector stays on until True
         self._closing_steps = 0
@@ -181,6 +190,7 @@ class KernelSampler:
         size) of the step that ends at `t` as it ended (`ended`: hooked engines give a step its facts inside
         it, once scheduled); returns the time the step starts (after any switch)."""
         key, self._key = self._key, (phase, batch_size)  # the step that ends at `t`, the one that starts
+        self._k += 1
         if ended is not None:
             key = ended
         if not self._t0:
@@ -217,7 +227,11 @@ class KernelSampler:
             return self._close_window(t)
         self._steps_since += 1
         length = self.window_steps if self.windows else self.probe_steps  # (the first opens once it can)
-        if self.windows:
+        if self.windows and self.lockstep and self.mode == "sampled":
+            length = self._lockstep_length(t, phase, batch_size, key)
+            if length < 1:
+                return t
+        elif self.windows:
             if self._steps_since < self._gap:
                 if self._steps_since < self.min_gap:
                     return t
@@ -232,11 +246,29 @@ class KernelSampler:
                 length = self._affordable(t, allowance=1.0)
             if length < 1:
                 return t
+        elif self.lockstep and self.mode == "sampled" and self._k % LOCKSTEP_SLOT:
+            return t
         if self._prepared.is_set():
             self._steps_in_window = 1
             self._window_len = length
             return self._open_window(t)
         return t
+
+    def _lockstep_length(self, t: int, phase: str | None, batch_size: int | None, key: tuple) -> int:
+        """Lockstep: a window's length if one opens at this step count, else 0. Windows open only at
+        multiples of LOCKSTEP_SLOT: a group's first (early, as outside lockstep) or, with the probability
+        that spaces windows by the gap (slot / (gap + length)), a regular one, drawn from the step count
+        alone. Every rank draws the same number at the same count, so a rank whose windows cost more (a lower
+        probability) opens a subset of the windows of one whose cost less: common random numbers."""
+        if self._k % LOCKSTEP_SLOT or self._steps_since < self.window_steps:
+            return 0
+        coming = (phase, batch_size) if phase is not None or batch_size is not None else key
+        if coming not in self._seen and self._steps_since >= self.min_gap:
+            return self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
+        if _shared_draw(self._k // LOCKSTEP_SLOT) >= LOCKSTEP_SLOT / (self._gap + self.window_steps):
+            return 0
+        # (the draw keeps the windows' cost at the budget on average; this caps a burst of them)
+        return self._affordable(t, allowance=EARLY_ALLOWANCE)
 
     def _affordable(self, t: int, *, allowance: float, share: float = 1.0) -> int:
         """Steps of a window (up to window_steps) that keep what every window cost, this one as the last
@@ -525,12 +557,21 @@ class KernelSampler:
                 "budget_pct": 100.0 * self.budget,
                 "cost_pct": 100.0 * spent / run_ns if run_ns > 0 and self.mode == "sampled" else None,
                 "last_cost_ratio": self.cost_ratio, "dropped_outside_windows": self.dropped,
+                "lockstep": self.lockstep,
                 "switch_ms": self.switch_ns_total / 1e6, "setup_ms": self.setup_ns / 1e6,
                 "prepare_ms": self.prepare_ns / 1e6,
                 "drains": self.drains, "drain_ms": self.drain_ns_total / 1e6,
                 "drain_ms_max": self.drain_ns_max / 1e6,
                 "drain_cpu_ms": sum(self._drain_cpu_by_window.values()) / 1e6,
                 "collector": self.collector.describe()}
+
+
+def _shared_draw(n: int) -> float:
+    """A number in [0, 1) that depends on `n` alone (splitmix64's finaliser): the same in every process."""
+    z = (n * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 def _take(values, rows):

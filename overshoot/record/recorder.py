@@ -73,6 +73,13 @@ RESOLVE_IN_WAIT_SLOTS = 8  # at most this many steps' events resolved in one wai
 GPU_TIMINGS = ("events", "kernels", "sampled", "off")
 
 
+def _int_or_none(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def int_buffer(n: int) -> memoryview | list[int]:
     """n int64 slots, zeroed, for the C core; items read and written as Python ints, the whole as a buffer
     (the writer builds its Arrow columns from it without a Python loop). The Python core gets a list: a
@@ -221,8 +228,12 @@ class Recorder(RecorderCore):
 
     def process_facts(self, **facts) -> None:
         """Facts of the whole process (a worker's rank and parallel layout), stored in its process record
-        (`spool/{pid}-{tag}.json`). Not for the hot path: it writes that file."""
+        (`spool/{pid}-{tag}.json`). Not for the hot path: it writes that file. A rank of several
+        (`world_size` > 1) samples kernels in lockstep with the other ranks (record/kernel_timing.py)."""
         self._io.update_info(**facts)
+        sampler = self._sampler
+        if sampler is not None and _int_or_none(facts.get("world_size")) not in (None, 0, 1):
+            sampler.lockstep = True
 
     def step_end(self) -> None:
         if self._step >= 0:
