@@ -240,13 +240,34 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def step_cost(plain_us: list[float], hooked_us: list[float]) -> dict:
-    """Median step of the mode's rounds against the plain rounds' (µs and %), with the steps counted."""
+def step_cost(plain_us: list[float], hooked_us: list[float], *, seed: int = 0) -> dict:
+    """Median step of the mode's rounds against the plain rounds' (µs and %), its 90% bootstrap interval
+    (the steps of each way resampled), with the steps counted."""
+    import numpy as np
+
     plain, hooked = _median(plain_us), _median(hooked_us)
     if plain is None or hooked is None:
         return {"step_us": hooked, "step_delta_us": None, "step_delta_pct": None, "steps": len(hooked_us)}
+    rng = np.random.default_rng(seed)
+    p, h = np.asarray(plain_us), np.asarray(hooked_us)
+    boot = [100 * (np.median(rng.choice(h, len(h))) / np.median(rng.choice(p, len(p))) - 1)
+            for _ in range(400)]
     return {"step_us": hooked, "step_delta_us": hooked - plain, "step_delta_pct": 100 * (hooked / plain - 1),
-            "steps": len(hooked_us)}
+            "step_delta_low_pct": float(np.quantile(boot, 0.05)),
+            "step_delta_high_pct": float(np.quantile(boot, 0.95)), "steps": len(hooked_us)}
+
+
+def decomposed(mode: dict) -> str:
+    """A mode's cost over a run as the sum of its two parts, each free of the rounds' noise: the median step's
+    shift (every step's hooks; 90% interval over steps) and what its kernel-timing windows cost by the run's
+    own account (the excess of the steps they slowed, and their switches). '' where either is unknown."""
+    run = mode.get("run") or {}
+    if mode.get("step_delta_pct") is None or run.get("accounted") is None or "step_delta_low_pct" not in mode:
+        return ""
+    windows = 100 * run["accounted"]
+    low, high = mode["step_delta_low_pct"] + windows, mode["step_delta_high_pct"] + windows
+    total = mode["step_delta_pct"] + windows
+    return f", decomposed {total:+.2f}% [{low:+.2f}, {high:+.2f}] (median step + windows)"
 
 
 def measure_config(name: str, args) -> dict:
@@ -385,6 +406,7 @@ def print_table(results: list[dict], args, clock: dict | None = None) -> None:
                 + (f", own account {100 * r['run']['accounted']:+.2f}% "
                    f"(+{r['run']['setup_ms']:.0f} ms set-up)"
                    if m == "sampled" and r["run"]["accounted"] is not None else "")
+                + (decomposed(r) if m == "sampled" else "")
                 + _threads_account(r["run"])
                 for m, r in row["modes"].items())
             print(f"{row['config']:22} {row['batch']:>5} {row['rounds_done']:>6} {row['plain_ms']:8.3f} "

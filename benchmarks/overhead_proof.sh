@@ -5,11 +5,13 @@
 #                                                 # the cost call by call and term by term, events /
 #                                                 # sampled / kernels
 #   bash benchmarks/overhead_proof.sh eager OUT   # eager torch and eager Triton: events / sampled
+#   bash benchmarks/overhead_proof.sh events OUT  # the synchronous graph step, events alone in its process:
+#                                                 # no CUPTI ever attached (the sync part's rotation has it)
 #
 # Lent machines differ 2-4x in what Python costs, so each part compares its ways inside one process on one
 # machine; the tables of every part print last, and the JSON files land under OUT.
 set -euo pipefail
-part=${1:?sync or eager}
+part=${1:?sync, eager or events}
 out=${2:?output directory}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
@@ -35,8 +37,12 @@ case "$part" in
     python "$here/hook_overhead.py" --configs eager-triton --modes events,sampled --batches 1 --tokens 64 \
       --rounds 2000 --budget-s 150 --out "$out/eager-triton" | tee -a "$log"
     ;;
+  events)
+    python "$here/hook_overhead.py" --configs step-triton-sync --modes events --batches 1 --tokens 128 \
+      --rounds 2000 --budget-s 200 --out "$out/events-alone" | tee -a "$log"
+    ;;
   *)
-    echo "overhead_proof.sh: unknown part '$part' (sync or eager)" >&2
+    echo "overhead_proof.sh: unknown part '$part' (sync, eager or events)" >&2
     exit 2
     ;;
 esac

@@ -455,7 +455,16 @@ def test_hook_overhead_pairs_rounds_and_times_every_decode_step_of_each_way(tmp_
         assert cost["step_us"] > 0
         assert cost["step_delta_us"] == pytest.approx(cost["step_us"] - row["step_us"])
         assert cost["run"]["decode_steps"] >= rounds * (tokens - 1)
+        assert cost["step_delta_low_pct"] <= cost["step_delta_high_pct"]
     assert "median step" in done.stdout
+    # sampled mode's cost as its two noise-free parts: the median step's shift and the windows' own account
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from hook_overhead import decomposed
+
+    sampled = {"step_delta_pct": 0.5, "step_delta_low_pct": 0.2, "step_delta_high_pct": 0.9,
+               "run": {"accounted": 0.003}}
+    assert decomposed(sampled) == ", decomposed +0.80% [+0.50, +1.20] (median step + windows)"
+    assert decomposed({**sampled, "run": {"accounted": None}}) == ""
     # the host's clock read cost beside the figures it explains (the hooks read it ~15 times a step)
     clock = json.loads((tmp_path / "hook_overhead.json").read_text())["host_clock"]
     assert 0 < clock["perf_counter_ns_ns"] < 100_000
