@@ -28,7 +28,7 @@ def cycles(steps: pd.DataFrame) -> pd.DataFrame:
     """A worker's steps (ordered by start) as step cycles: each from its start to the next one's start."""
     start = steps["start_ns"].to_numpy("int64")
     end = steps["end_ns"].to_numpy("int64")
-    cycle_end = np.append(np.maximum(start[1:], end[:-1]), end[-1:]) if len(start) else end
+    cycle_end = np.append(start[1:], end[-1:]) if len(start) else end  # (a partition of the thread's time)
     return pd.DataFrame({"step": steps["step"].to_numpy(), "start_ns": start, "end_ns": cycle_end})
 
 
