@@ -322,3 +322,86 @@ def test_steps_are_instrumented_only_where_every_launching_process_recorded(tmp_
     measured = steps[steps["gpu_timing"] == "kernels"]
     assert sorted(measured["step"]) == list(range(25, 30))
     assert np.allclose(measured["gpu_busy_ms"], 0.1)
+
+
+def test_the_median_interval_covers_the_true_median():
+    """kernels.interval_on_rows: the distribution-free 95% interval of a median covers the true median in
+    about 95% of samples (400 samples of 40 skewed values each, two groups at once), and is NaN with fewer
+    values than the order statistics need."""
+    from overshoot.analysis.kernels import MIN_STEPS_FOR_INTERVAL, interval_on_rows
+
+    rng = np.random.default_rng(1)
+    covered = 0
+    for _ in range(400):
+        values = np.concatenate([rng.lognormal(0.0, 0.5, 40), rng.lognormal(1.0, 0.2, 40)])
+        group = np.repeat([0, 1], 40)
+        lo, hi = interval_on_rows(group, values, np.ones(80, bool))
+        covered += int(lo[0] <= 1.0 <= hi[0]) + int(lo[40] <= np.e <= hi[40])
+        assert (lo <= hi).all()
+    assert 0.92 <= covered / 800 <= 0.99, covered / 800
+    few = MIN_STEPS_FOR_INTERVAL - 1
+    lo, hi = interval_on_rows(np.zeros(few, "int64"), np.arange(few, dtype=float), np.ones(few, bool))
+    assert np.isnan(lo).all() and np.isnan(hi).all()
+
+
+def test_a_verdict_near_its_threshold_says_how_far_the_estimate_moves_it(tmp_path):
+    """Synchronous steps whose GPU idles ~5% (the threshold): plain steps take their GPU busy from windows
+    whose steps' kernels run 0.97-1.03x long. The group's CPU-bound and GPU idle shares get a range: each
+    plain step recomputed with the GPU busy at the ends of the 95% interval of the instrumented steps'
+    median (order statistics of ranks (n - 1.96 sqrt n) / 2 and 1 + (n + 1.96 sqrt n) / 2), computed here
+    step by step from the kernel records; the report says it where it spans more than a percent."""
+    import json
+    import subprocess
+    import sys
+
+    params = dict(kernels=20, kernel_us=100.0, launch_us=1.0, pre_ms=0.06, post_ms=0.04)
+    timeline = simulate_kernel_timeline(300, mode="sync", **params)
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[i]), int(ends[i + 7])) for i in range(10, 290, 30)]
+    kernels = timeline.kernels.copy()
+    launch = kernels["launch_start_ns"].to_numpy()
+    step_of = np.searchsorted(starts, launch, side="right") - 1
+    scale = np.random.default_rng(3).uniform(0.97, 1.03, len(starts))[step_of]
+    kernels["gpu_end_ns"] = kernels["gpu_start_ns"] + np.round(
+        (kernels["gpu_end_ns"] - kernels["gpu_start_ns"]) * scale).astype("int64")
+    timeline.kernels = kernels
+    run_dir = write_kernel_run(tmp_path / "run", timeline, windows=windows)
+    done = subprocess.run([sys.executable, "-m", "overshoot", "report", str(run_dir), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (group,) = json.loads(done.stdout)["groups"]
+    assert group["gpu_timing"] == "sampled"
+    # the truth, from the records: each instrumented step's busy (union of its kernels), their order
+    # statistics, every plain step's share at both ends
+    run = load_run(run_dir)
+    table = steps_table(run)
+    inside = (table["gpu_timing"] == "kernels").to_numpy()
+    ends_of = run.steps.set_index("step")["end_ns"]
+    busy = []
+    for lo, hi in zip(table["start_ns"][inside], ends_of.loc[table["step"][inside]], strict=True):
+        mine = kernels[(launch >= lo) & (launch < hi)].sort_values("gpu_start_ns")
+        reach, total = -1, 0
+        for s, e in zip(mine["gpu_start_ns"], mine["gpu_end_ns"], strict=True):
+            total += max(e - max(s, reach), 0)
+            reach = max(reach, e)
+        busy.append(total / 1e6)
+    busy, n = np.sort(busy), len(busy)
+    low_busy = busy[max(int(np.floor((n - 1.96 * np.sqrt(n)) / 2)), 1) - 1]
+    high_busy = busy[min(int(np.ceil(1 + (n + 1.96 * np.sqrt(n)) / 2)), n) - 1]
+    step = table["step_ms"].to_numpy()
+    plain = (table["gpu_timing"] == "estimate").to_numpy()
+    measured_idle = table["gpu_idle_ms"].to_numpy()[inside]
+    for end, at in (("low", high_busy), ("high", low_busy)):
+        idle = np.maximum(step[plain] - at, 0.0)
+        bound = np.concatenate([idle / step[plain] > 0.05, measured_idle / step[inside] > 0.05])
+        share = 100 * idle.sum() / step[plain].sum()  # (a sampled group's idle share: its plain steps')
+        assert group[f"cpu_bound_pct_{end}"] == pytest.approx(100 * bound.mean(), abs=0.5), end
+        assert group[f"gpu_idle_pct_{end}"] == pytest.approx(share, abs=0.05), end
+    assert group["cpu_bound_pct_low"] <= group["cpu_bound_pct"] <= group["cpu_bound_pct_high"]
+    assert group["gpu_idle_pct_low"] < group["gpu_idle_pct"] < group["gpu_idle_pct_high"]
+    assert group["cpu_bound_pct_high"] - group["cpu_bound_pct_low"] > 50  # the edge: the verdict flips
+    low, high = group["cpu_bound_pct_low"], group["cpu_bound_pct_high"]
+    said = f"({low:.0f}-{high:.0f}% as the GPU busy estimate moves within its 95% interval"
+    assert said + ")" in group["verdict"], group["verdict"]
+    (top,) = json.loads(done.stdout)["top_lines"]
+    assert said + ": not settled)" in top, top

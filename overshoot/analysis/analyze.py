@@ -303,6 +303,7 @@ def _aggregate(df: pd.DataFrame, keys: list[str], what_ifs: list,
         never_waited = df["thread_never_waited"].to_numpy(dtype="float64")
         out["thread_never_waited_pct"] = 100.0 * total(never_waited) / count
         out["gpu_idle_pct"] = _idle_share(df, source, group_id, n_groups)
+        _add_ranges(out, df, source, group_id, n_groups, total, known)
         # The gaps between kernels inside steps: instrumented steps only (unknown without kernel data).
         idle_in = np.nan_to_num(df["gpu_idle_in_step_ms"].to_numpy(dtype="float64"))
         out["gpu_idle_in_step_pct"] = 100.0 * total(np.where(measured, idle_in, 0.0)) / total(
@@ -368,12 +369,37 @@ _MEDIAN_COLUMNS = ("step_ms", "busy_ms", "wait_ms", "gpu_ms", "gpu_busy_ms", "ke
 _MEASURED_ONLY = ("gpu_busy_ms", "kernels", "launch_ms")
 
 
-def _idle_share(df: pd.DataFrame, source: np.ndarray, group_id: np.ndarray, n_groups: int) -> np.ndarray:
+def _add_ranges(out: pd.DataFrame, df: pd.DataFrame, source: np.ndarray, group_id: np.ndarray, n_groups: int,
+                total, known: np.ndarray) -> None:
+    """cpu_bound_pct_low/_high and gpu_idle_pct_low/_high: the group's shares with every estimated step's GPU
+    busy at the upper and at the lower end of its estimate's 95% interval (kernels.interval_on_rows); NaN for
+    a group with no estimated step, or one whose estimate has no interval (too few instrumented steps)."""
+    nan = np.full(n_groups, np.nan)
+    for name in ("cpu_bound_pct_low", "cpu_bound_pct_high", "gpu_idle_pct_low", "gpu_idle_pct_high"):
+        out[name] = nan
+    if "_cpu_bound_lo" not in df.columns:
+        return
+    estimated = np.isin(source, (SOURCES.index("estimate"), SOURCES.index("borrowed")))
+    lo_idle = df["_gpu_idle_lo_ms"].to_numpy("float64")
+    ranged = (total(estimated.astype("float64")) > 0) & (total((estimated & np.isnan(lo_idle)).astype(
+        "float64")) == 0)
+    for end, bound, idle_end in (("low", "_cpu_bound_lo", "_gpu_idle_lo_ms"),
+                                 ("high", "_cpu_bound_hi", "_gpu_idle_hi_ms")):
+        verdict = np.nan_to_num(df[bound].to_numpy("float64"))
+        share = 100.0 * total(np.where(known, verdict, 0.0)) / total(known.astype("float64"))
+        out[f"cpu_bound_pct_{end}"] = np.where(ranged, share, np.nan)
+        idle = _idle_share(df, source, group_id, n_groups, idle=df[idle_end].to_numpy("float64"))
+        out[f"gpu_idle_pct_{end}"] = np.where(ranged, idle, np.nan)
+
+
+def _idle_share(df: pd.DataFrame, source: np.ndarray, group_id: np.ndarray, n_groups: int, *,
+                idle: np.ndarray | None = None) -> np.ndarray:
     """GPU idle share of each group's steps, time-weighted, from the group's best source: plain steps of a
     sampled group ("estimate": step time of uninstrumented steps, GPU busy of instrumented ones), else the
     instrumented steps, else the idle before the steps (events). Sums per (group, source) in one pass each;
-    a bin adds its rows in row order, as a per-source sum over the group would."""
-    idle = df["gpu_idle_ms"].to_numpy(dtype="float64")
+    a bin adds its rows in row order, as a per-source sum over the group would. `idle`: per step, in place
+    of the gpu_idle_ms column."""
+    idle = df["gpu_idle_ms"].to_numpy(dtype="float64") if idle is None else idle
     step = df["step_ms"].to_numpy()
     width = len(SOURCES) + 1  # the last column: other sources and steps without an idle figure
     column = np.where((source < 0) | np.isnan(idle), len(SOURCES), source)

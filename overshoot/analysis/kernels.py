@@ -344,6 +344,12 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
         source[borrowed] = BORROWED
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
+    if estimate.any():  # how far the verdict moves as the estimate moves within its interval
+        lo, hi = interval_on_rows(group, cols["gpu_busy_ms"], measured)
+        if pool is not None:
+            pool_lo, pool_hi = interval_on_rows(pool, cols["gpu_busy_ms"], measured)
+            lo, hi = np.where(source == BORROWED, pool_lo, lo), np.where(source == BORROWED, pool_hi, hi)
+        _estimate_bounds(out, idle, estimate, lo, hi, step_ms, cpu_bound_share)
     source[estimate & (source != BORROWED)] = ESTIMATE
     events = ~measured & ~estimate & ~np.isnan(before)
     idle[events] = before[events]
@@ -370,6 +376,49 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
         busy = out["busy_ms"].to_numpy(dtype="float64") * 1e6
         out["_collector_ns"] = collector_cost(group, busy, measured, plain, launches)
     return sk
+
+
+def _estimate_bounds(out: pd.DataFrame, idle: np.ndarray, estimate: np.ndarray, lo: np.ndarray,
+                     hi: np.ndarray, step_ms: np.ndarray, cpu_bound_share: float) -> None:
+    """Columns _gpu_idle_lo_ms / _hi_ms and _cpu_bound_lo / _hi: each step's GPU idle and verdict with its
+    GPU busy estimate at the upper and lower end of its interval (the measured ones as they are; NaN where
+    the estimate has no interval)."""
+    idle_lo, idle_hi = idle.copy(), idle.copy()
+    idle_lo[estimate] = np.maximum(step_ms[estimate] - hi[estimate], 0.0)
+    idle_hi[estimate] = np.maximum(step_ms[estimate] - lo[estimate], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, values in (("lo", idle_lo), ("hi", idle_hi)):
+            out[f"_gpu_idle_{name}_ms"] = values
+            share = np.where(step_ms > 0, values / step_ms, np.nan)
+            # (float32: 1, 0 or NaN; a million-step run's two flags are 8 MB, not 16)
+            out[f"_cpu_bound_{name}"] = np.where(np.isnan(share), np.nan, share > cpu_bound_share).astype(
+                "float32")
+
+
+# Fewer instrumented steps than this: no interval for their median (order statistics cannot give 95%).
+MIN_STEPS_FOR_INTERVAL = 6
+
+
+def interval_on_rows(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
+                     z: float = 1.96) -> tuple[np.ndarray, np.ndarray]:
+    """On every row: the distribution-free 95% interval of its group's median of `values` over `rows` (the
+    order statistics of ranks (n - z sqrt(n)) / 2 and 1 + (n + z sqrt(n)) / 2, 1-based); NaN for a group
+    with fewer than MIN_STEPS_FOR_INTERVAL values, or none."""
+    n_groups = int(group.max(initial=-1)) + 1
+    lo, hi = np.full(n_groups, np.nan), np.full(n_groups, np.nan)
+    take = rows & (group >= 0) & ~np.isnan(values)
+    g, v = group[take], values[take]
+    order = np.lexsort((v, g))
+    g, v = g[order], v[order]
+    starts = np.searchsorted(g, np.arange(n_groups))
+    counts = np.bincount(g, minlength=n_groups)
+    ok = counts >= MIN_STEPS_FOR_INTERVAL
+    n = counts[ok].astype("float64")
+    r = np.clip(np.floor((n - z * np.sqrt(n)) / 2).astype("int64"), 1, None) - 1
+    q = np.clip(np.ceil(1 + (n + z * np.sqrt(n)) / 2).astype("int64"), None, counts[ok]) - 1
+    lo[ok] = v[starts[ok] + r]
+    hi[ok] = v[starts[ok] + q]
+    return on_rows(group, lo), on_rows(group, hi)
 
 
 # Steps of a group, instrumented and plain each, needed to measure what kernel timing costs its launches.

@@ -120,13 +120,24 @@ def hooks_line(problems: list[dict]) -> str:
     return f"hooks disabled or failed ({len(items)}): " + "; ".join(items)
 
 
+def estimate_range(row: dict, key: str, *, brief: bool = False) -> str:
+    """' (a-b% as the GPU busy estimate moves within its 95% interval)' for a group whose plain steps take
+    their GPU busy from instrumented ones (`key`_low/_high); '' where there is no such range, or where both
+    ends round to the same percent."""
+    low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
+    if low is None or high is None or round(low) == round(high):  # (no range, or none worth a word)
+        return ""
+    span = f"{low:.0f}-{high:.0f}%"
+    return f" [{span}]" if brief else f" ({span} as the GPU busy estimate moves within its 95% interval)"
+
+
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     """One line per group: the verdict (GPU starved), the thread's view, GPU idle and where it was known."""
     idle, inside = row["gpu_idle_pct"], row.get("gpu_idle_in_step_pct")
     if row["cpu_bound_pct"] is None:
         parts = ["CPU-bound unknown (no GPU times)"]
     else:
-        parts = [f"{pct(row['cpu_bound_pct'])} of steps CPU-bound"]
+        parts = [f"{pct(row['cpu_bound_pct'])} of steps CPU-bound{estimate_range(row, 'cpu_bound_pct')}"]
     if mode == "sync" and row["cpu_share_pct"] is not None:
         parts.insert(0, f"CPU busy {pct(row['cpu_share_pct'])} of the step")
     parts.append(f"the thread never waited in {pct(row['thread_never_waited_pct'])}")
@@ -142,8 +153,8 @@ def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
         source = row["gpu_timing"]
         if source == "sampled":  # how much kernel data the figures rest on
             source = f"sampled: {row.get('kernel_steps')} of {row['steps']} steps instrumented"
-        parts.append(f"GPU idle {pct(idle)} ({pct(inside)} inside steps, GPU busy {fmt_num(busy)} ms a "
-                     f"step, {source})")
+        parts.append(f"GPU idle {pct(idle)}{estimate_range(row, 'gpu_idle_pct', brief=True)} ({pct(inside)} "
+                     f"inside steps, GPU busy {fmt_num(busy)} ms a step, {source})")
     for w in what_ifs:
         change = row["what_if_pct"][w.label]
         if change is not None:

@@ -30,6 +30,10 @@ def _line(g: dict, what_ifs: list[str]) -> str:
         return f"{title}: no GPU data, so whether its steps are CPU-bound is unknown (CPU busy {share})"
     bound = g["cpu_bound_pct"] >= CPU_BOUND_GROUP_PCT
     parts = [f"{'CPU' if bound else 'GPU'}-bound: {pct(g['cpu_bound_pct'])} of steps CPU-bound"]
+    low, high = g.get("cpu_bound_pct_low"), g.get("cpu_bound_pct_high")
+    if low is not None and high is not None and (low >= CPU_BOUND_GROUP_PCT) != (high >= CPU_BOUND_GROUP_PCT):
+        parts[0] += (f" ({low:.0f}-{high:.0f}% as the GPU busy estimate moves within its 95% interval: not "
+                     "settled)")
     idle = g.get("gpu_idle_pct")
     if idle is not None:
         inside = g.get("gpu_idle_in_step_pct")
