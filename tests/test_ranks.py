@@ -233,6 +233,12 @@ def test_each_rank_gpu_busy_idle_and_where_it_idled(tmp_path, windows):
             assert got[label]["ms"] == pytest.approx(ms, abs=1e-3), (r["rank"], label)
             assert got[label]["share_pct"] == pytest.approx(100 * ms / idle, abs=1.5), (r["rank"], label)
     assert group["per_rank"][1]["gpu_idle_by_label"][0]["label"] == "execute_model"  # 1.75 of 3.15 ms idle
+    # (the figures checked above; here the line names the least and the most idle rank and where)
+    idle = [r["gpu_idle_pct"] for r in group["per_rank"]]
+    said = (f"decode @ batch 4, each rank's own GPU: idle {idle[0]:.0f}% (rank 0) to {idle[1]:.0f}% (rank 1) "
+            "of its step cycle; rank 1's GPU idles most while its worker is in 'execute_model' (56% of its "
+            "idle)")
+    assert report["top_lines"][-1] == said, report["top_lines"]
     (engine,) = report["groups"]
     if windows is None:  # the engine core's step: any GPU busy, the union of both ranks' kernels
         assert engine["gpu_timing"] == "kernels"

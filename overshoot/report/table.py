@@ -14,7 +14,7 @@ from overshoot.analysis.whatif import WhatIf
 from overshoot.report import sections
 from overshoot.report.fmt import fmt_num, pct, report_table, signed
 from overshoot.report.ranks import rank_groups, render_ranks
-from overshoot.report.verdict import top_lines
+from overshoot.report.verdict import rank_lines, top_lines
 
 DEFAULT_WHAT_IFS = [WhatIf("gpu", -0.10), WhatIf("cpu", -0.10)]
 
@@ -53,6 +53,7 @@ def analyse(
     client = client_stats(run.client)
     idle_note = sections.add_sections(groups, run=run, summary=summary)
     status = (run.meta or {}).get("status")
+    ranks = rank_groups(summary, group_title)
     report = {
         "run_id": run.run_id,
         "status": status,
@@ -67,11 +68,11 @@ def analyse(
         "group_keys": summary.group_keys,
         "what_ifs": [w.label for w in what_ifs],
         "groups": groups,
-        "top_lines": top_lines(groups, [w.label for w in what_ifs]),
+        "top_lines": top_lines(groups, [w.label for w in what_ifs]) + rank_lines(ranks),
         "levels": sections.levels(summary, client),
         "crossover": sections.crossover(groups),
         "client": client,
-        "ranks": rank_groups(summary, group_title),
+        "ranks": ranks,
         "hook_problems": hook_problems(run),
         "notes": [*summary.notes, *filter(None, [sections.own_cost(run, summary)])],
         "gpu_idle_by_label_note": idle_note,

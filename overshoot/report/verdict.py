@@ -23,6 +23,26 @@ def top_lines(groups: list[dict], what_ifs: list[str]) -> list[str]:
     return lines
 
 
+def rank_lines(ranks: list[dict] | None) -> list[str]:
+    """Per group of a multi-rank engine whose ranks recorded kernels: the spread of the ranks' GPU idle and
+    where the idlest rank's worker was while its GPU idled (analysis/rank_gpu.py)."""
+    lines = []
+    for g in ranks or []:
+        known = [r for r in g["per_rank"] if r.get("gpu_idle_pct") is not None]
+        if not known:
+            continue
+        least = min(known, key=lambda r: r["gpu_idle_pct"])
+        most = max(known, key=lambda r: r["gpu_idle_pct"])
+        line = (f"{g['title']}, each rank's own GPU: idle {pct(least['gpu_idle_pct'])} (rank "
+                f"{least['rank']}) to {pct(most['gpu_idle_pct'])} (rank {most['rank']}) of its step cycle")
+        top = (most.get("gpu_idle_by_label") or [None])[0]
+        if top:
+            line += (f"; rank {most['rank']}'s GPU idles most while its worker is in '{top['label']}' "
+                     f"({pct(top['share_pct'])} of its idle)")
+        lines.append(line)
+    return lines
+
+
 def _line(g: dict, what_ifs: list[str]) -> str:
     title = g["title"]
     if g.get("cpu_bound_pct") is None:
