@@ -34,9 +34,9 @@ RANK_COLUMNS = ["step", "rank", "pid", "busy_ms", "collective_ms", "compute_ms",
 
 @dataclass
 class RankSummary:
-    per_rank: pd.DataFrame  # one row per (engine step, rank): RANK_COLUMNS + the engine step's group keys
-    # each rank's own GPU per row of per_rank (analysis/rank_gpu.py): cycle_ms, known_ms, gpu_idle_ms,
-    # gpu_busy_ms; and its idle split's parts (row into per_rank, label, ns, whole)
+    # one row per (engine step, rank): RANK_COLUMNS, error_ns, the rank's own GPU in its step cycle
+    # (rank_gpu.COLUMNS) and the engine step's group keys
+    per_rank: pd.DataFrame
     per_step: pd.DataFrame  # one row per engine step: spread_ms, last_rank, error_ms, resolved
     groups: pd.DataFrame  # per group: ranks, slowest rank and how often, median spread, per-rank medians
     notes: list[str] = field(default_factory=list)
