@@ -224,6 +224,8 @@ def test_each_rank_gpu_busy_idle_and_where_it_idled(tmp_path, windows):
         known = STEPS if windows is None else 10
         assert r["gpu_cycles"] == known
         assert r["gpu_busy_ms"] == pytest.approx(t["busy"], abs=1e-3)
+        # rank 0's all-reduce kernel runs the 3 ms it waits for rank 1; rank 1 never waits
+        assert r["collective_kernels_ms"] == pytest.approx(STRAGGLE_MS if r["rank"] == 0 else 0.0, abs=1e-3)
         # (the first known cycle counts from its first kernel on, the run's last to its last kernel's end)
         assert r["gpu_idle_pct"] == pytest.approx(100 * (1 - t["busy"] / t["period"]), abs=1.0)
         got = {x["label"]: x for x in r["gpu_idle_by_label"]}
@@ -250,8 +252,8 @@ def test_each_rank_gpu_busy_idle_and_where_it_idled(tmp_path, windows):
     lines = [" ".join(line.split()) for line in text.splitlines()]
     cycles = STEPS if windows is None else 10
     # (rank 0: execute_model and between_steps tie at 42%)
-    assert any(line.startswith(f"decode @ batch 4 0 {cycles} 6.00 ") for line in lines), text
-    assert f"1 {cycles} 5.25 37% execute_model 56%" in lines, text
+    assert any(line.startswith(f"decode @ batch 4 0 {cycles} 6.00 3.00 ") for line in lines), text
+    assert f"1 {cycles} 5.25 0.00 37% execute_model 56%" in lines, text
     out = tmp_path / "ranks.parquet"
     subprocess.run([sys.executable, "-m", "overshoot", "export", str(tmp_path), "--what", "ranks", "-o",
                     str(out)], capture_output=True, check=True)
@@ -261,6 +263,8 @@ def test_each_rank_gpu_busy_idle_and_where_it_idled(tmp_path, windows):
     assert busy.size().to_dict() == ({0: STEPS - 2, 1: STEPS - 2} if windows is None else {0: 9, 1: 9})
     assert busy.median().to_numpy() == pytest.approx([truth[0]["busy"], truth[1]["busy"]], abs=1e-3)
     assert (table["cycle_ms"].iloc[:-1] > 0).all() and str(table["known_ms"].dtype) == "float64"
+    collective = table.dropna(subset=["collective_kernels_ms"]).groupby("rank")["collective_kernels_ms"]
+    assert collective.median().to_numpy() == pytest.approx([STRAGGLE_MS, 0.0], abs=1e-3)
     apart = "the kernel-timing windows of the 2 processes that launched kernels never overlapped"
     assert (apart in " ".join(text.split())) == (windows is not None), text
 
@@ -270,8 +274,9 @@ def test_ranks_without_kernel_records_show_no_gpu_table(tmp_path):
     report = json.loads(subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--json"],
                                        capture_output=True, text=True, check=True).stdout)
     for r in report["ranks"][0]["per_rank"]:
-        figures = (r["gpu_cycles"], r["gpu_busy_ms"], r["gpu_idle_pct"], r["gpu_idle_by_label"])
-        assert figures == (0, None, None, [])
+        figures = (r["gpu_cycles"], r["gpu_busy_ms"], r["gpu_idle_pct"], r["gpu_idle_by_label"],
+                   r["collective_kernels_ms"])
+        assert figures == (0, None, None, [], None)
     text = subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--width", "160"],
                           capture_output=True, text=True, check=True).stdout
     assert "per rank GPU" not in text

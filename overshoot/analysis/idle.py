@@ -139,8 +139,9 @@ def _flatten(start, end, codes, is_wait) -> tuple[np.ndarray, np.ndarray, np.nda
     return np.array(seg_s), np.array(seg_e), np.array(seg_c, "int64")
 
 
-def _idle_before(points: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Idle time in (-inf, t) for each t of `points`, over disjoint sorted gaps [lo, hi)."""
+def covered_before(points: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Time covered in (-inf, t) for each t of `points` by disjoint sorted intervals [lo, hi) (here: the
+    GPU's idle gaps)."""
     if len(lo) == 0:
         return np.zeros(len(points))
     cum = np.concatenate([[0.0], np.cumsum(hi - lo)])
@@ -161,7 +162,7 @@ def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.D
     if not inst.any():
         return pd.DataFrame({"row": [], "label": [], "ns": []}), total, known
     start = steps["start_ns"].to_numpy("float64")
-    total[inst] = _idle_before(known_to[inst], lo, hi) - _idle_before(known_from[inst], lo, hi)
+    total[inst] = covered_before(known_to[inst], lo, hi) - covered_before(known_from[inst], lo, hi)
     if spans is not None and len(spans) and not inst.all():  # (a sampled run: ~3% of the spans matter)
         at = np.searchsorted(start, spans["start_ns"].to_numpy("float64"), side="right") - 1
         spans = spans[(at >= 0) & inst[np.maximum(at, 0)]]
@@ -173,7 +174,7 @@ def idle_by_label(steps: pd.DataFrame, spans: pd.DataFrame | None, kernels: pd.D
     row, codes = row[ok], codes[ok]
     seg_s = np.maximum(seg_s[ok], known_from[row])
     seg_e = np.maximum(np.minimum(seg_e[ok], known_to[row]), seg_s)
-    overlap = _idle_before(seg_e, lo, hi) - _idle_before(seg_s, lo, hi)
+    overlap = covered_before(seg_e, lo, hi) - covered_before(seg_s, lo, hi)
     frame = pd.DataFrame({"row": row, "code": codes, "ns": overlap})
     frame = frame[frame["ns"] > 0].groupby(["row", "code"], as_index=False)["ns"].sum()
     frame["label"] = np.array(names, dtype=object)[frame["code"].to_numpy()] if len(frame) else []

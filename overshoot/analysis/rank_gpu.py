@@ -18,10 +18,13 @@ import numpy as np
 import pandas as pd
 
 from overshoot.analysis import idle
-from overshoot.analysis.frames import timeline_spans
+from overshoot.analysis.frames import contains, timeline_spans
 
 BETWEEN_STEPS = "between_steps"
-COLUMNS = ("cycle_ms", "known_ms", "gpu_idle_ms", "gpu_busy_ms")  # per (engine step, rank)
+COLUMNS = ("cycle_ms", "known_ms", "gpu_idle_ms", "gpu_busy_ms", "collective_kernels_ms")  # per (step, rank)
+# Kernels of collectives, by name (NCCL's, and vLLM's custom all-reduce): they run while the rank waits for
+# the others, so their time is GPU busy that is no work of the rank's own.
+COLLECTIVE_KERNEL = r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|cross_device_reduce"
 
 
 def cycles(steps: pd.DataFrame) -> pd.DataFrame:
@@ -52,7 +55,7 @@ def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataF
     frame = cycles(steps)
     n = len(frame)
     frame["cycle_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
-    for name in ("known_ms", "gpu_idle_ms", "gpu_busy_ms"):
+    for name in COLUMNS[1:]:
         frame[name] = np.full(n, np.nan)
     none = pd.DataFrame({"row": np.zeros(0, "int64"), "label": [], "ns": [], "whole": np.zeros(0, bool)})
     kernels = getattr(run, "kernels", None)
@@ -74,8 +77,26 @@ def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataF
     frame["gpu_idle_ms"] = total / 1e6
     whole = known >= (frame["end_ns"] - frame["start_ns"]).to_numpy("float64")
     frame["gpu_busy_ms"] = np.where(whole, (known - total) / 1e6, np.nan)
+    frame["collective_kernels_ms"] = np.where(whole, _collective_ns(frame, kernels) / 1e6, np.nan)
     rows = parts["row"].to_numpy("int64")
     return frame, parts.assign(whole=whole[rows])
+
+
+def _collective_ns(frame: pd.DataFrame, kernels: pd.DataFrame) -> np.ndarray:
+    """Per cycle: the GPU time inside it covered by collective kernels (the union of their intervals)."""
+    mine = contains(kernels["name"], COLLECTIVE_KERNEL)
+    if not mine.any():
+        return np.zeros(len(frame))
+    start = kernels["gpu_start_ns"].to_numpy("float64")[mine]
+    end = kernels["gpu_end_ns"].to_numpy("float64")[mine]
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    head = np.r_[True, start[1:] > reach[:-1]]  # a kernel that starts after all before it ended
+    lo = start[head]
+    hi = np.maximum.reduceat(end, np.flatnonzero(head))
+    bounds = [frame[c].to_numpy("float64") for c in ("start_ns", "end_ns")]
+    return idle.covered_before(bounds[1], lo, hi) - idle.covered_before(bounds[0], lo, hi)
 
 
 def split_of(parts: pd.DataFrame, idle_ms: np.ndarray, whole: np.ndarray) -> list[dict]:
@@ -103,12 +124,16 @@ def rank_figures(rows: pd.DataFrame, parts: pd.DataFrame) -> dict:
     idle_ms = rows["gpu_idle_ms"].to_numpy("float64")
     total = known[mask].sum()
     if not mask.any():
-        return {"gpu_cycles": 0, "gpu_busy_ms": None, "gpu_idle_pct": None, "gpu_idle_by_label": []}
+        return {"gpu_cycles": 0, "gpu_busy_ms": None, "gpu_idle_pct": None, "gpu_idle_by_label": [],
+                "collective_kernels_ms": None}
     whole = ~np.isnan(busy)
+    collective = rows["collective_kernels_ms"].to_numpy("float64")
     mine = parts[parts["row"].isin(rows.index[mask])]
     return {
         "gpu_cycles": int(mask.sum()),
         "gpu_busy_ms": float(np.median(busy[whole])) if whole.any() else None,
         "gpu_idle_pct": 100.0 * float(idle_ms[mask].sum() / total) if total > 0 else None,
         "gpu_idle_by_label": split_of(mine, idle_ms[mask], whole[mask]),
+        # GPU busy in collective kernels (NCCL's), a cycle: time the rank's GPU waited for the others
+        "collective_kernels_ms": float(np.median(collective[whole])) if whole.any() else None,
     }

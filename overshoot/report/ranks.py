@@ -51,14 +51,15 @@ def render_rank_gpus(groups: list[dict], console: Console) -> None:
     if not any(r.get("gpu_cycles") for g in groups for r in g["per_rank"]):
         return
     table = report_table("per rank GPU, from each rank's own kernel records: busy ms a step cycle (from one "
-                         "step's start to the next's), idle share of the cycle, what the worker was in while "
-                         "its GPU idled")
-    for name in ("group", "rank", "cycles", "GPU busy", "GPU idle", "idle mostly in"):
+                         "step's start to the next's), of it in collective kernels (waiting for the other "
+                         "ranks), idle share of the cycle, what the worker was in while its GPU idled")
+    for name in ("group", "rank", "cycles", "GPU busy", "in collectives", "GPU idle", "idle mostly in"):
         table.add_column(name, justify="left" if name in ("group", "idle mostly in") else "right")
     for g in groups:
         for i, r in enumerate(g["per_rank"]):
             top = (r.get("gpu_idle_by_label") or [None])[0]
             where = f"{top['label']} {pct(top['share_pct'])}" if top else "-"
             table.add_row(g["title"] if i == 0 else "", str(r["rank"]), str(r.get("gpu_cycles") or 0),
-                          fmt_num(r.get("gpu_busy_ms")), pct(r.get("gpu_idle_pct")), where)
+                          fmt_num(r.get("gpu_busy_ms")), fmt_num(r.get("collective_kernels_ms")),
+                          pct(r.get("gpu_idle_pct")), where)
     console.print(table)
