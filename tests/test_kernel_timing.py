@@ -817,7 +817,7 @@ def test_ranks_in_lockstep_open_their_windows_together(tmp_path, monkeypatch):
     cost differently open their windows apart and few steps are instrumented on both; in lockstep (windows at
     multiples of LOCKSTEP_SLOT, drawn from the step count alone) the ranks' windows nest: the steps the
     costlier rank instrumented the other did too, or nearly, each within its budget."""
-    # (eight runs each: 7-19% of the fewer instrumented steps on both ranks apart, 83-99% in lockstep; the
+    # (eight runs each: 9-25% of the fewer instrumented steps on both ranks apart, 84-99% in lockstep; the
     # rest in lockstep are windows one rank's budget shortened or left out, and each group's first window)
     apart, _ = _play_ranks(tmp_path, monkeypatch, lockstep=False)
     both = np.logical_and(*apart)

@@ -280,3 +280,85 @@ def test_ranks_without_kernel_records_show_no_gpu_table(tmp_path):
     text = subprocess.run([sys.executable, "-m", "overshoot", "report", str(tmp_path), "--width", "160"],
                           capture_output=True, text=True, check=True).stdout
     assert "per rank GPU" not in text
+
+
+def _tp_process(role: str, run_dir: str, steps: int, barriers, slowdown: float) -> None:
+    """One process of a two-rank engine through the real Recorder: the engine core (schedules, hands the step
+    to the workers, waits for them, updates) or a worker (runs it: four launches on a virtual device, each
+    kernel recorded while its KernelSampler's window is on; a collector that slows the launches by
+    `slowdown` while on). Steps meet at `barriers` (start, done)."""
+    from synthetic_engine import spin, spin_until
+    from test_kernel_timing import VirtualCollector
+
+    from overshoot import Recorder
+    from overshoot.record.kernel_timing import KernelSampler
+
+    start, done = barriers
+    if role == "core":
+        rec = Recorder(run_dir, engine="tp-core")
+        for _ in range(steps):
+            rec.step_begin(batch_size=4, num_tokens=4, phase="decode")
+            with rec.busy("schedule"):
+                spin(60_000)
+            with rec.wait("worker_result"):
+                start.wait()
+                done.wait()
+            with rec.busy("update_from_output"):
+                spin(40_000)
+        rec.step_end()
+        rec.close()
+        return
+    rank = int(role)
+    rec = Recorder(run_dir, engine="tp-worker")
+    device = VirtualCollector()
+    rec._sampler = KernelSampler(rec, device, window_steps=8, min_gap=64, budget=0.05, drain_seconds=0.05)
+    gpu_free = 0
+    for i in range(steps):
+        start.wait()
+        rec.step_begin(batch_size=4, num_tokens=4, phase="decode", rank=rank, world_size=2)
+        if i == 0:  # as the hooks do after a worker's first step: its parallel layout
+            rec.process_facts(rank=rank, world_size=2)
+        with rec.busy("execute_model"):
+            for _ in range(4):
+                gpu_free = device.launch(gpu_free)
+                if device.on:
+                    spin(int(slowdown * 30_000))
+            spin_until(gpu_free)
+        rec.step_end()
+        done.wait()
+    rec.close()
+
+
+def test_ranks_in_lockstep_give_the_engine_core_instrumented_steps_end_to_end(tmp_path):
+    """Three processes through the real Recorder and KernelSampler: an engine core and two workers whose
+    collectors cost differently (launches 10% and 40% slower while on). The workers get their parallel
+    layout as process facts, sample in lockstep and say so; most steps either rank instrumented are
+    instrumented on both, so the engine core's steps (which need both ranks' kernels) get kernel data, and
+    each rank's own GPU figures come from its own windows."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    barriers = (context.Barrier(3), context.Barrier(3))
+    steps = 1_500
+    run_dir = str(tmp_path / "run")
+    procs = [context.Process(target=_tp_process, args=(role, run_dir, steps, barriers, slow))
+             for role, slow in (("core", 0.0), ("0", 0.1), ("1", 0.4))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    run = load_run(tmp_path / "run")
+    timing = {p["rank"]: p["kernel_timing"] for p in run.processes if "rank" in p}
+    assert timing[0]["lockstep"] is True and timing[1]["lockstep"] is True
+    summary = summarize(run)
+    assert summary.primary[0] == next(p["pid"] for p in run.processes if p["engine"] == "tp-core")
+    windows = run.kernel_windows
+    per_rank = summary.ranks.per_rank
+    known = per_rank.dropna(subset=["known_ms"]).groupby("rank").size()
+    assert (known >= 40).all(), known
+    # the engine core's instrumented steps: inside both ranks' windows
+    (group,) = summary.groups.to_dict("records")
+    assert group["kernel_steps"] >= 0.75 * known.min(), (group["kernel_steps"], known.to_dict(), len(windows))
+    busy = per_rank.dropna(subset=["gpu_busy_ms"]).groupby("rank")["gpu_busy_ms"].median()
+    assert (busy > 0.07).all() and (busy < 0.2).all(), busy  # four 20 µs kernels a step, gaps between

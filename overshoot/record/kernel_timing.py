@@ -264,7 +264,10 @@ class KernelSampler:
             return 0
         coming = (phase, batch_size) if phase is not None or batch_size is not None else key
         if coming not in self._seen and self._steps_since >= self.min_gap:
-            return self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
+            length = self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
+            if length >= 1:
+                return length
+            # (an early window this rank cannot afford yet: the regular draw still stands)
         if _shared_draw(self._k // LOCKSTEP_SLOT) >= LOCKSTEP_SLOT / (self._gap + self.window_steps):
             return 0
         # (the draw keeps the windows' cost at the budget on average; this caps a burst of them)
