@@ -337,7 +337,7 @@ def test_ranks_in_lockstep_give_the_engine_core_instrumented_steps_end_to_end(tm
     each rank's own GPU figures come from its own windows."""
     import multiprocessing
 
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # (a fork of a process with threads can deadlock)
     barriers = (context.Barrier(3), context.Barrier(3))
     steps = 1_500
     run_dir = str(tmp_path / "run")
