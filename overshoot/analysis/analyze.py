@@ -159,8 +159,9 @@ class Summary:
     notes: list[str] = field(default_factory=list)
     what_ifs: list = field(default_factory=list)
     ranks: object = None  # analysis/ranks.RankSummary of a multi-rank engine, else None
-    # every step of the primary timeline (warm-up and steps outside the load levels too), ordered by start:
-    # the steps a group without kernel data of its own borrows its idle split from
+    # every step of the primary timeline (warm-up and steps outside the load levels too), ordered by start,
+    # index as in `steps`: the steps a group without kernel data of its own borrows its idle split from
+    # (start_ns, end_ns and the group keys only, unless every step is summarised)
     timeline: pd.DataFrame | None = None
 
 
@@ -221,7 +222,9 @@ def summarize(
     ranks = summarize_ranks(run, full, kept, pid, keys)
     if ranks is not None:
         notes += ranks.notes
-    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs, ranks, timeline)
+    # (the steps left out are kept by the columns the idle split's borrowing reads, not every column)
+    every = kept if kept is timeline else timeline[["start_ns", "end_ns", *keys]]
+    return Summary(run.run_id, guess, (pid, thread), keys, groups, kept, notes, what_ifs, ranks, every)
 
 
 def _summarised(kept: pd.DataFrame) -> tuple[pd.DataFrame, str]:
