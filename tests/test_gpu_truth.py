@@ -265,7 +265,9 @@ def test_a_level_without_a_window_borrows_gpu_busy_from_its_shape_at_another_lev
     assert "sampled: 20 of 150 steps instrumented" in report["groups"][0]["verdict"]
     verdict = report["groups"][1]["verdict"]
     assert f"GPU idle {level2['gpu_idle_pct']:.0f}% (between and inside steps, from GPU busy" in verdict
-    assert "borrowed from other levels" in verdict and "CUDA events only" not in verdict
+    assert "CUDA events only" not in verdict
+    assert "borrowed from 20 instrumented steps of its phase and batch size elsewhere in the run)" in verdict
+    assert level2["gpu_busy_steps"] == 20
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -405,3 +407,20 @@ def test_a_verdict_near_its_threshold_says_how_far_the_estimate_moves_it(tmp_pat
     assert said + ")" in group["verdict"], group["verdict"]
     (top,) = json.loads(done.stdout)["top_lines"]
     assert said + ": not settled)" in top, top
+
+
+def test_an_estimate_from_a_probe_alone_says_it_has_too_few_steps_for_an_interval(tmp_path):
+    """A costly collector's one probe of 3 steps in the warm-up: the level borrows its GPU busy from those 3
+    steps, says so, and gives no range (an interval of the median needs 6)."""
+    truth = simulate_kernel_timeline(200, mode="async", **CASES["launch-bound"])
+    starts, ends = truth.frames.steps["start_ns"].to_numpy(), truth.frames.steps["end_ns"].to_numpy()
+    levels = [{"concurrency": 4, "start_ns": int(starts[40]), "end_ns": int(ends[-1]) + 1}]
+    run = load_run(write_kernel_run(tmp_path / "probe", truth, windows=[(int(starts[5]), int(ends[7]))],
+                                    meta={"levels": levels}))
+    from overshoot.report.table import build_report
+
+    (group,) = build_report(run)["groups"]
+    assert (group["gpu_timing"], group["gpu_busy_steps"]) == ("borrowed", 3)
+    assert group["cpu_bound_pct_low"] is None and group["gpu_idle_pct_high"] is None
+    said = "borrowed from 3 instrumented steps of its phase and batch size elsewhere in the run; too few for"
+    assert said + " an interval)" in group["verdict"], group["verdict"]

@@ -376,13 +376,17 @@ def _add_ranges(out: pd.DataFrame, df: pd.DataFrame, source: np.ndarray, group_i
                 total, known: np.ndarray) -> None:
     """cpu_bound_pct_low/_high and gpu_idle_pct_low/_high: the group's shares with every estimated step's GPU
     busy at the upper and at the lower end of its estimate's 95% interval (kernels.interval_on_rows); NaN for
-    a group with no estimated step, or one whose estimate has no interval (too few instrumented steps)."""
+    a group with no estimated step, or one whose estimate has no interval (too few instrumented steps). And
+    gpu_busy_steps: the instrumented steps its estimate rests on."""
     nan = np.full(n_groups, np.nan)
-    for name in ("cpu_bound_pct_low", "cpu_bound_pct_high", "gpu_idle_pct_low", "gpu_idle_pct_high"):
+    for name in ("cpu_bound_pct_low", "cpu_bound_pct_high", "gpu_idle_pct_low", "gpu_idle_pct_high",
+                 "gpu_busy_steps"):
         out[name] = nan
     if "_cpu_bound_lo" not in df.columns:
         return
     estimated = np.isin(source, (SOURCES.index("estimate"), SOURCES.index("borrowed")))
+    # the instrumented steps the group's estimate rests on (its own, or those it borrowed)
+    out["gpu_busy_steps"] = per_group(group_id, df["_busy_n"].to_numpy("float64"), estimated, n_groups)[0]
     lo_idle = df["_gpu_idle_lo_ms"].to_numpy("float64")
     ranged = (total(estimated.astype("float64")) > 0) & (total((estimated & np.isnan(lo_idle)).astype(
         "float64")) == 0)

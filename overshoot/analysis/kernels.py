@@ -350,6 +350,12 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
             pool_lo, pool_hi = interval_on_rows(pool, cols["gpu_busy_ms"], measured)
             lo, hi = np.where(source == BORROWED, pool_lo, lo), np.where(source == BORROWED, pool_hi, hi)
         _estimate_bounds(out, idle, estimate, lo, hi, step_ms, cpu_bound_share)
+        # how many instrumented steps each estimate rests on
+        counts = on_rows(group, per_group(group, cols["gpu_busy_ms"], measured, int(group.max()) + 1)[1])
+        if pool is not None:
+            pooled_n = on_rows(pool, per_group(pool, cols["gpu_busy_ms"], measured, int(pool.max()) + 1)[1])
+            counts = np.where(source == BORROWED, pooled_n, counts)
+        out["_busy_n"] = np.where(estimate, counts, np.nan).astype("float32")
     source[estimate & (source != BORROWED)] = ESTIMATE
     events = ~measured & ~estimate & ~np.isnan(before)
     idle[events] = before[events]

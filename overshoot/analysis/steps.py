@@ -53,7 +53,7 @@ LOAD_WINDOWS = ("warmup", "level", "outside")
 # Columns the analyzer keeps beside the contract columns (whatif.py and mode detection need them).
 _INTERNAL = ["end_ns", "gpu_start_ns", "gpu_end_ns", "_timeline", "_gpu_busy_est_ms", "_busy_group",
              "_busy_pool", "_collector_ns", "_gpu_idle_lo_ms", "_gpu_idle_hi_ms", "_cpu_bound_lo",
-             "_cpu_bound_hi"]
+             "_cpu_bound_hi", "_busy_n"]
 # A step is CPU-bound when the GPU idled, waiting for the CPU, for more than this share of it.
 CPU_BOUND_SHARE = 0.05
 # The case study's narrower view (column thread_never_waited): the thread waited at most this long.

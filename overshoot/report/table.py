@@ -10,6 +10,7 @@ from rich.table import Table
 
 from overshoot.analysis.analyze import CPU_BOUND_SHARE, NEVER_WAITED_MS, Summary, group_title, summarize
 from overshoot.analysis.frames import plain
+from overshoot.analysis.kernels import MIN_STEPS_FOR_INTERVAL
 from overshoot.analysis.whatif import WhatIf
 from overshoot.report import sections
 from overshoot.report.fmt import fmt_num, pct, report_table, signed
@@ -132,6 +133,13 @@ def estimate_range(row: dict, key: str, *, brief: bool = False) -> str:
     return f" [{span}]" if brief else f" ({span} as the GPU busy estimate moves within its 95% interval)"
 
 
+def _too_few(row: dict) -> str:
+    """'; too few for an interval' where the group's GPU busy estimate rests on fewer instrumented steps than
+    its 95% interval needs (so no range is given)."""
+    n = row.get("gpu_busy_steps")
+    return "; too few for an interval" if n is not None and n < MIN_STEPS_FOR_INTERVAL else ""
+
+
 def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     """One line per group: the verdict (GPU starved), the thread's view, GPU idle and where it was known."""
     idle, inside = row["gpu_idle_pct"], row.get("gpu_idle_in_step_pct")
@@ -145,15 +153,19 @@ def _verdict(row: dict, what_ifs: list[WhatIf], mode: str) -> str:
     if idle is None:
         parts.append("GPU idle n/a (no GPU times)")
     elif row.get("gpu_timing") == "borrowed":
-        parts.append(f"GPU idle {pct(idle)} (between and inside steps, from GPU busy "
-                     f"{fmt_num(row.get('gpu_busy_ms_median'))} ms a step borrowed from other levels)")
+        lenders = row.get("gpu_busy_steps")
+        source = f"{lenders:.0f} instrumented steps" if lenders is not None else "the instrumented steps"
+        source += " of its phase and batch size elsewhere in the run"
+        busy = fmt_num(row.get("gpu_busy_ms_median"))
+        parts.append(f"GPU idle {pct(idle)}{estimate_range(row, 'gpu_idle_pct', brief=True)} (between and "
+                     f"inside steps, from GPU busy {busy} ms a step borrowed from {source}{_too_few(row)})")
     elif inside is None:
         parts.append(f"GPU idle {pct(idle)} (between steps; inside them unknown: CUDA events only)")
     else:
         busy = row.get("gpu_busy_ms_median")
         source = row["gpu_timing"]
         if source == "sampled":  # how much kernel data the figures rest on
-            source = f"sampled: {row.get('kernel_steps')} of {row['steps']} steps instrumented"
+            source = f"sampled: {row.get('kernel_steps')} of {row['steps']} steps instrumented{_too_few(row)}"
         parts.append(f"GPU idle {pct(idle)}{estimate_range(row, 'gpu_idle_pct', brief=True)} ({pct(inside)} "
                      f"inside steps, GPU busy {fmt_num(busy)} ms a step, {source})")
     for w in what_ifs:
