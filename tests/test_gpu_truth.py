@@ -346,6 +346,37 @@ def test_the_median_interval_covers_the_true_median():
     assert np.isnan(lo).all() and np.isnan(hi).all()
 
 
+def _near_threshold_run(tmp_path):
+    """Synchronous steps whose GPU idles ~5%, sampled in windows of 8 steps every 30, the instrumented
+    steps' kernels 0.97-1.03x long: the run dir and its kernels."""
+    params = dict(kernels=20, kernel_us=100.0, launch_us=1.0, pre_ms=0.06, post_ms=0.04)
+    timeline = simulate_kernel_timeline(300, mode="sync", **params)
+    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
+    windows = [(int(starts[i]), int(ends[i + 7])) for i in range(10, 290, 30)]
+    kernels = timeline.kernels.copy()
+    step_of = np.searchsorted(starts, kernels["launch_start_ns"].to_numpy(), side="right") - 1
+    scale = np.random.default_rng(3).uniform(0.97, 1.03, len(starts))[step_of]
+    kernels["gpu_end_ns"] = kernels["gpu_start_ns"] + np.round(
+        (kernels["gpu_end_ns"] - kernels["gpu_start_ns"]) * scale).astype("int64")
+    timeline.kernels = kernels
+    return write_kernel_run(tmp_path / "run", timeline, windows=windows), kernels
+
+
+def test_a_check_that_breaks_on_an_estimate_says_how_far_it_moves(tmp_path):
+    """`overshoot check --max-cpu-bound 10%` on a group 16% CPU-bound whose plain steps' verdict rests on the
+    GPU busy estimate: the broken line gives the range (16-90%) beside the figure."""
+    import subprocess
+    import sys
+
+    run_dir, _ = _near_threshold_run(tmp_path)
+    command = [sys.executable, "-m", "overshoot", "check", str(run_dir), "--max-cpu-bound", "10%"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    out = " ".join((done.stdout + done.stderr).split())
+    assert "% of steps CPU-bound (16-90% as the GPU busy estimate moves within its 95% interval), above " \
+           "--max-cpu-bound 10%" in out, out
+
+
 def test_a_verdict_near_its_threshold_says_how_far_the_estimate_moves_it(tmp_path):
     """Synchronous steps whose GPU idles ~5% (the threshold): plain steps take their GPU busy from windows
     whose steps' kernels run 0.97-1.03x long. The group's CPU-bound and GPU idle shares get a range: each
@@ -356,18 +387,8 @@ def test_a_verdict_near_its_threshold_says_how_far_the_estimate_moves_it(tmp_pat
     import subprocess
     import sys
 
-    params = dict(kernels=20, kernel_us=100.0, launch_us=1.0, pre_ms=0.06, post_ms=0.04)
-    timeline = simulate_kernel_timeline(300, mode="sync", **params)
-    starts, ends = timeline.frames.steps["start_ns"].to_numpy(), timeline.frames.steps["end_ns"].to_numpy()
-    windows = [(int(starts[i]), int(ends[i + 7])) for i in range(10, 290, 30)]
-    kernels = timeline.kernels.copy()
+    run_dir, kernels = _near_threshold_run(tmp_path)
     launch = kernels["launch_start_ns"].to_numpy()
-    step_of = np.searchsorted(starts, launch, side="right") - 1
-    scale = np.random.default_rng(3).uniform(0.97, 1.03, len(starts))[step_of]
-    kernels["gpu_end_ns"] = kernels["gpu_start_ns"] + np.round(
-        (kernels["gpu_end_ns"] - kernels["gpu_start_ns"]) * scale).astype("int64")
-    timeline.kernels = kernels
-    run_dir = write_kernel_run(tmp_path / "run", timeline, windows=windows)
     done = subprocess.run([sys.executable, "-m", "overshoot", "report", str(run_dir), "--json"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

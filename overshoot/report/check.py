@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from overshoot.report.fmt import fmt_num, signed
+from overshoot.report.fmt import estimate_range, fmt_num, signed
 
 _PCT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
 
@@ -59,14 +59,17 @@ def check(report: dict, limits: Limits, *, compared: list[dict] | None = None) -
             broken.append(f"{g['title']}: CPU-bound unknown (no GPU times), so --max-cpu-bound {limit:g}% "
                           "cannot be checked")  # fmt: skip
         elif limit is not None and value > limit:
-            broken.append(f"{g['title']}: {fmt_num(value, '.1f')}% of steps CPU-bound, above --max-cpu-bound "
-                          f"{limit:g}%")  # fmt: skip
+            spread = estimate_range(g, "cpu_bound_pct")
+            broken.append(f"{g['title']}: {fmt_num(value, '.1f')}% of steps CPU-bound{spread}, above "
+                          f"--max-cpu-bound {limit:g}%")  # fmt: skip
         value, limit = g["gpu_idle_pct"], limits.max_gpu_idle_pct
         if limit is not None and value is None:
             broken.append(f"{g['title']}: GPU idle unknown (no GPU times), so --max-gpu-idle {limit:g}% "
                           "cannot be checked")
         elif limit is not None and value > limit:
-            broken.append(f"{g['title']}: GPU idle {fmt_num(value, '.1f')}%, above --max-gpu-idle {limit:g}%")
+            spread = estimate_range(g, "gpu_idle_pct")
+            broken.append(f"{g['title']}: GPU idle {fmt_num(value, '.1f')}%{spread}, above --max-gpu-idle "
+                          f"{limit:g}%")
     compared_groups = 0
     if limits.max_regression_pct is not None and compared is not None:
         for row in compared:

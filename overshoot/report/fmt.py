@@ -49,3 +49,14 @@ def report_table(title: str) -> Table:
         pad_edge=False,
         show_edge=False,
     )
+
+
+def estimate_range(row: dict, key: str, *, brief: bool = False) -> str:
+    """' (a-b% as the GPU busy estimate moves within its 95% interval)' for a group whose plain steps take
+    their GPU busy from instrumented ones (`key`_low/_high); '' where there is no such range, or where both
+    ends round to the same percent."""
+    low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
+    if low is None or high is None or round(low) == round(high):  # (no range, or none worth a word)
+        return ""
+    span = f"{low:.0f}-{high:.0f}%"
+    return f" [{span}]" if brief else f" ({span} as the GPU busy estimate moves within its 95% interval)"

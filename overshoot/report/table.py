@@ -13,7 +13,7 @@ from overshoot.analysis.frames import plain
 from overshoot.analysis.kernels import MIN_STEPS_FOR_INTERVAL
 from overshoot.analysis.whatif import WhatIf
 from overshoot.report import sections
-from overshoot.report.fmt import fmt_num, pct, report_table, signed
+from overshoot.report.fmt import estimate_range, fmt_num, pct, report_table, signed
 from overshoot.report.ranks import rank_groups, render_ranks
 from overshoot.report.verdict import rank_lines, top_lines
 
@@ -120,17 +120,6 @@ def hooks_line(problems: list[dict]) -> str:
         f"{p['target']} ({p['role']}) {p['status']}: {p['reason'] or 'no reason given'}" for p in problems
     ]
     return f"hooks disabled or failed ({len(items)}): " + "; ".join(items)
-
-
-def estimate_range(row: dict, key: str, *, brief: bool = False) -> str:
-    """' (a-b% as the GPU busy estimate moves within its 95% interval)' for a group whose plain steps take
-    their GPU busy from instrumented ones (`key`_low/_high); '' where there is no such range, or where both
-    ends round to the same percent."""
-    low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
-    if low is None or high is None or round(low) == round(high):  # (no range, or none worth a word)
-        return ""
-    span = f"{low:.0f}-{high:.0f}%"
-    return f" [{span}]" if brief else f" ({span} as the GPU busy estimate moves within its 95% interval)"
 
 
 def _too_few(row: dict) -> str:
