@@ -70,8 +70,8 @@ def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataF
     if windows is not None and len(windows) == 0:
         windows = None  # kernels but no window: the process recorded its whole run
     own = timeline_spans(run.spans, pid, thread)
-    spans = pd.concat([s for s in (own, _between_spans(steps, pid, thread)) if s is not None and len(s)],
-                      ignore_index=True)
+    parts_of = [s for s in (own, _between_spans(steps, pid, thread)) if s is not None and len(s)]
+    spans = pd.concat(parts_of, ignore_index=True) if parts_of else None
     parts, total, known = idle.idle_by_label(frame, spans, kernels, windows)
     frame["known_ms"] = known / 1e6
     frame["gpu_idle_ms"] = total / 1e6
