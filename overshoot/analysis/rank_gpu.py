@@ -47,23 +47,22 @@ def _between_spans(steps: pd.DataFrame, pid: int, thread: str) -> pd.DataFrame:
                          "kind": "busy", "label": BETWEEN_STEPS, "start_ns": lo, "dur_ns": hi - lo})
 
 
-def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataFrame, idle.IdleSplit | None]:
     """One worker timeline's steps (ordered by start) as cycles, with per cycle `cycle_ms`, `known_ms` (the
-    part whose GPU state the rank's kernel records know; NaN: none), `gpu_idle_ms` (known idle in it) and
-    `gpu_busy_ms` (known minus idle, where the cycle is known whole); and the idle split's parts (row into
-    the cycles, label, ns, whole: the cycle is known whole). Empty parts without kernel records of the pid."""
+    part whose GPU state the rank's kernel records know; NaN: none), `gpu_idle_ms` (known idle in it),
+    `gpu_busy_ms` (known minus idle, where the cycle is known whole) and `collective_kernels_ms`; and the idle
+    split over the cycles (None without kernel records of the pid)."""
     frame = cycles(steps)
     n = len(frame)
     frame["cycle_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
     for name in COLUMNS[1:]:
         frame[name] = np.full(n, np.nan)
-    none = pd.DataFrame({"row": np.zeros(0, "int64"), "label": [], "ns": [], "whole": np.zeros(0, bool)})
     kernels = getattr(run, "kernels", None)
     if kernels is None or n == 0:
-        return frame, none
+        return frame, None
     kernels = kernels[kernels["pid"].to_numpy() == pid]
     if len(kernels) == 0:
-        return frame, none
+        return frame, None
     windows = getattr(run, "kernel_windows", None)
     if windows is not None and "pid" in windows.columns:
         windows = windows[windows["pid"].to_numpy() == pid]
@@ -72,14 +71,13 @@ def rank_idle(run, steps: pd.DataFrame, pid: int, thread: str) -> tuple[pd.DataF
     own = timeline_spans(run.spans, pid, thread)
     parts_of = [s for s in (own, _between_spans(steps, pid, thread)) if s is not None and len(s)]
     spans = pd.concat(parts_of, ignore_index=True) if parts_of else None
-    parts, total, known = idle.idle_by_label(frame, spans, kernels, windows)
-    frame["known_ms"] = known / 1e6
-    frame["gpu_idle_ms"] = total / 1e6
-    whole = known >= (frame["end_ns"] - frame["start_ns"]).to_numpy("float64")
-    frame["gpu_busy_ms"] = np.where(whole, (known - total) / 1e6, np.nan)
+    split = idle.IdleSplit(frame, *idle.idle_by_label(frame, spans, kernels, windows))
+    whole = split.whole
+    frame["known_ms"] = split.known / 1e6
+    frame["gpu_idle_ms"] = split.total / 1e6
+    frame["gpu_busy_ms"] = np.where(whole, (split.known - split.total) / 1e6, np.nan)
     frame["collective_kernels_ms"] = np.where(whole, _collective_ns(frame, kernels) / 1e6, np.nan)
-    rows = parts["row"].to_numpy("int64")
-    return frame, parts.assign(whole=whole[rows])
+    return frame, split
 
 
 def _collective_ns(frame: pd.DataFrame, kernels: pd.DataFrame) -> np.ndarray:
@@ -99,41 +97,29 @@ def _collective_ns(frame: pd.DataFrame, kernels: pd.DataFrame) -> np.ndarray:
     return idle.covered_before(bounds[1], lo, hi) - idle.covered_before(bounds[0], lo, hi)
 
 
-def split_of(parts: pd.DataFrame, idle_ms: np.ndarray, whole: np.ndarray) -> list[dict]:
-    """The idle split of some cycles (`parts` of theirs; their known idle and known-whole flags): label, ms a
-    cycle over the cycles known whole (None: none), share of the known idle in %; largest first."""
-    total = float(np.nansum(idle_ms))
-    if total <= 0 or len(parts) == 0:
-        return []
-    n_whole = int(whole.sum())
-    sums = parts.assign(whole_ns=np.where(parts["whole"], parts["ns"], 0.0)).groupby("label")[
-        ["ns", "whole_ns"]].sum()
-    rows = [{"label": str(label), "ms": ns_whole / n_whole / 1e6 if n_whole else None,
-             "share_pct": 100.0 * ns / (total * 1e6)}
-            for label, (ns, ns_whole) in zip(sums.index, sums.to_numpy(), strict=True) if ns > 0]
-    return sorted(rows, key=lambda r: -r["share_pct"])
-
-
-def rank_figures(rows: pd.DataFrame, parts: pd.DataFrame) -> dict:
-    """One rank's GPU over some of its cycles (`rows` of the per-rank table, indexed as `parts`' row):
-    `gpu_cycles` known (whole or in part), `gpu_busy_ms` (median over the cycles known whole), `gpu_idle_pct`
-    (known idle over known time) and `gpu_idle_by_label` (split_of); None and [] without kernel records."""
+def rank_figures(rows: pd.DataFrame, split: idle.IdleSplit | None) -> dict:
+    """One rank's GPU over some of its cycles (`rows` of the per-rank table; column `cycle`: the row of
+    `split`, the rank's idle split): `gpu_cycles` known (whole or in part), `gpu_busy_ms` and
+    `collective_kernels_ms` (medians over the cycles known whole), `gpu_idle_pct` (known idle over known
+    time) and `gpu_idle_by_label` (idle.group_idle_by_label of these cycles); 0, None and [] without kernel
+    records."""
     known = rows["known_ms"].to_numpy("float64")
     mask = ~np.isnan(known)
-    busy = rows["gpu_busy_ms"].to_numpy("float64")
-    idle_ms = rows["gpu_idle_ms"].to_numpy("float64")
-    total = known[mask].sum()
-    if not mask.any():
+    if split is None or not mask.any():
         return {"gpu_cycles": 0, "gpu_busy_ms": None, "gpu_idle_pct": None, "gpu_idle_by_label": [],
                 "collective_kernels_ms": None}
+    busy = rows["gpu_busy_ms"].to_numpy("float64")
     whole = ~np.isnan(busy)
     collective = rows["collective_kernels_ms"].to_numpy("float64")
-    mine = parts[parts["row"].isin(rows.index[mask])]
+    total = known[mask].sum()
+    chosen = np.full(len(split.total), -1, "int64")
+    chosen[rows["cycle"].to_numpy("int64")] = 0
     return {
         "gpu_cycles": int(mask.sum()),
         "gpu_busy_ms": float(np.median(busy[whole])) if whole.any() else None,
-        "gpu_idle_pct": 100.0 * float(idle_ms[mask].sum() / total) if total > 0 else None,
-        "gpu_idle_by_label": split_of(mine, idle_ms[mask], whole[mask]),
+        "gpu_idle_pct": 100.0 * float(rows["gpu_idle_ms"].to_numpy("float64")[mask].sum() / total)
+        if total > 0 else None,
+        "gpu_idle_by_label": idle.group_idle_by_label(split, chosen, 1)[0]["rows"],
         # GPU busy in collective kernels (NCCL's), a cycle: time the rank's GPU waited for the others
         "collective_kernels_ms": float(np.median(collective[whole])) if whole.any() else None,
     }

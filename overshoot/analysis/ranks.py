@@ -54,7 +54,7 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
     spans = run.spans
     scheduled = _scheduled_steps(spans, primary_pid, run.steps)
     alignment = align(run.processes, primary_pid)
-    rows, idle_parts, offset = [], [], 0
+    rows, splits = [], {}
     for (pid, thread), mine in workers.sort_values("start_ns").groupby(["pid", "thread"], sort=True):
         rank = int(pd.to_numeric(mine["rank"]).iloc[0])
         mine = mine.reset_index(drop=True)
@@ -63,12 +63,10 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
             notes.append(f"rank {rank} (pid {pid}) ran {len(mine)} steps, the engine core scheduled "
                          f"{len(scheduled)}: the first {n} are joined in order")
         part = _rank_rows(mine.iloc[:n], spans, int(pid), str(thread))
-        gpu, parts = rank_gpu.rank_idle(run, mine, int(pid), str(thread))
+        gpu, splits[rank] = rank_gpu.rank_idle(run, mine, int(pid), str(thread))
         for name in rank_gpu.COLUMNS:
             part[name] = gpu[name].to_numpy()[:n]
-        parts = parts[parts["row"].to_numpy() < n]
-        idle_parts.append(parts.assign(row=parts["row"].to_numpy() + offset))
-        offset += n
+        part["cycle"] = np.arange(n)  # the row of the rank's idle split (_groups)
         shift = alignment.get(int(pid))
         part["finish_ns"] = part["finish_ns"] + (shift.offset_ns if shift else 0)
         part["error_ns"] = np.nan if shift is None or shift.error_ns is None else float(shift.error_ns)
@@ -87,7 +85,7 @@ def summarize_ranks(run, steps: pd.DataFrame, engine_steps: pd.DataFrame, primar
     # the engine steps' groups (steps the summary leaves out, e.g. warm-up, get none)
     per_rank = per_rank.merge(engine_steps[["step", *group_cols]], on="step", how="left")
     per_step = _per_step(per_rank)
-    groups = _groups(per_rank, per_step, group_cols, pd.concat(idle_parts, ignore_index=True))
+    groups = _groups(per_rank, per_step, group_cols, splits)
     basis = {a.basis for pid, a in alignment.items() if pid in set(per_rank["pid"])}
     notes.append("ranks joined to the engine core's steps by the order of the scheduler outputs they ran; "
                  f"clocks: {', '.join(sorted(basis))}")
@@ -151,8 +149,7 @@ def _per_step(per_rank: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str],
-            idle_parts: pd.DataFrame) -> pd.DataFrame:
+def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str], splits: dict) -> pd.DataFrame:
     steps = per_step.merge(per_rank.drop_duplicates("step")[["step", *keys]], on="step", how="inner")
     steps = steps[(steps["ranks"] > 1) & steps[keys].notna().all(axis=1)]  # summarised engine steps only
     rows = []
@@ -164,7 +161,7 @@ def _groups(per_rank: pd.DataFrame, per_step: pd.DataFrame, keys: list[str],
         last = grp.loc[grp["resolved"], "last_rank"].value_counts()
         ranks = per_rank[per_rank["step"].isin(grp["step"])]
         medians = ranks.groupby("rank")[["busy_ms", "collective_ms", "compute_ms"]].median()
-        gpu = {int(r): rank_gpu.rank_figures(mine, idle_parts) for r, mine in ranks.groupby("rank")}
+        gpu = {int(r): rank_gpu.rank_figures(mine, splits[int(r)]) for r, mine in ranks.groupby("rank")}
         row.update(
             steps=len(grp), ranks=int(grp["ranks"].max()),
             slowest_rank=int(slowest.index[0]), slowest_pct=100.0 * slowest.iloc[0] / len(grp),
