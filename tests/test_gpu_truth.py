@@ -337,12 +337,14 @@ def test_the_median_interval_covers_the_true_median():
     for _ in range(400):
         values = np.concatenate([rng.lognormal(0.0, 0.5, 40), rng.lognormal(1.0, 0.2, 40)])
         group = np.repeat([0, 1], 40)
-        lo, hi = interval_on_rows(group, values, np.ones(80, bool))
+        lo, hi, n = interval_on_rows(group, values, np.ones(80, bool))
+        assert (n == 40).all()
         covered += int(lo[0] <= 1.0 <= hi[0]) + int(lo[40] <= np.e <= hi[40])
         assert (lo <= hi).all()
     assert 0.92 <= covered / 800 <= 0.99, covered / 800
     few = MIN_STEPS_FOR_INTERVAL - 1
-    lo, hi = interval_on_rows(np.zeros(few, "int64"), np.arange(few, dtype=float), np.ones(few, bool))
+    lo, hi, n = interval_on_rows(np.zeros(few, "int64"), np.arange(few, dtype=float), np.ones(few, bool))
+    assert (n == few).all()
     assert np.isnan(lo).all() and np.isnan(hi).all()
 
 

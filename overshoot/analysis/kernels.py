@@ -345,16 +345,13 @@ def attach_gpu_truth(out: pd.DataFrame, run, *, cpu_bound_ms: float, cpu_bound_s
     estimate = ~measured & ~np.isnan(busy_est)
     idle[estimate] = np.maximum(step_ms[estimate] - busy_est[estimate], 0.0)
     if estimate.any():  # how far the verdict moves as the estimate moves within its interval
-        lo, hi = interval_on_rows(group, cols["gpu_busy_ms"], measured)
+        lo, hi, counts = interval_on_rows(group, cols["gpu_busy_ms"], measured)
         if pool is not None:
-            pool_lo, pool_hi = interval_on_rows(pool, cols["gpu_busy_ms"], measured)
-            lo, hi = np.where(source == BORROWED, pool_lo, lo), np.where(source == BORROWED, pool_hi, hi)
+            lent = source == BORROWED
+            lo, hi, counts = (np.where(lent, p, own) for p, own in zip(
+                interval_on_rows(pool, cols["gpu_busy_ms"], measured), (lo, hi, counts), strict=True))
         _estimate_bounds(out, idle, estimate, lo, hi, step_ms, cpu_bound_share)
         # how many instrumented steps each estimate rests on
-        counts = on_rows(group, per_group(group, cols["gpu_busy_ms"], measured, int(group.max()) + 1)[1])
-        if pool is not None:
-            pooled_n = on_rows(pool, per_group(pool, cols["gpu_busy_ms"], measured, int(pool.max()) + 1)[1])
-            counts = np.where(source == BORROWED, pooled_n, counts)
         out["_busy_n"] = np.where(estimate, counts, np.nan).astype("float32")
     source[estimate & (source != BORROWED)] = ESTIMATE
     events = ~measured & ~estimate & ~np.isnan(before)
@@ -406,10 +403,10 @@ MIN_STEPS_FOR_INTERVAL = 6
 
 
 def interval_on_rows(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
-                     z: float = 1.96) -> tuple[np.ndarray, np.ndarray]:
+                     z: float = 1.96) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """On every row: the distribution-free 95% interval of its group's median of `values` over `rows` (the
-    order statistics of ranks (n - z sqrt(n)) / 2 and 1 + (n + z sqrt(n)) / 2, 1-based); NaN for a group
-    with fewer than MIN_STEPS_FOR_INTERVAL values, or none."""
+    order statistics of ranks (n - z sqrt(n)) / 2 and 1 + (n + z sqrt(n)) / 2, 1-based; NaN for a group
+    with fewer than MIN_STEPS_FOR_INTERVAL values, or none), and the count of those values (NaN: no group)."""
     n_groups = int(group.max(initial=-1)) + 1
     lo, hi = np.full(n_groups, np.nan), np.full(n_groups, np.nan)
     take = rows & (group >= 0) & ~np.isnan(values)
@@ -424,7 +421,7 @@ def interval_on_rows(group: np.ndarray, values: np.ndarray, rows: np.ndarray,
     q = np.clip(np.ceil(1 + (n + z * np.sqrt(n)) / 2).astype("int64"), None, counts[ok]) - 1
     lo[ok] = v[starts[ok] + r]
     hi[ok] = v[starts[ok] + q]
-    return on_rows(group, lo), on_rows(group, hi)
+    return on_rows(group, lo), on_rows(group, hi), on_rows(group, counts.astype("float64"))
 
 
 # Steps of a group, instrumented and plain each, needed to measure what kernel timing costs its launches.
