@@ -101,6 +101,10 @@ def _window_bounds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return (windows["start_ns"].to_numpy("float64")[order], windows["end_ns"].to_numpy("float64")[order])
 
 
+# joint_windows' one window when the processes' windows have none in common (empty: it holds no step)
+NONE_IN_COMMON = (0, 0)
+
+
 def joint_windows(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) -> pd.DataFrame | None:
     """The kernel-timing windows in which every process that launched the kernels recorded them: each
     process samples its own windows (a multiprocess engine's workers, one per GPU, open them apart), and a
@@ -121,14 +125,14 @@ def joint_windows(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) ->
         joint = spans if joint is None else _intersect(joint, spans)
     # None in common: one empty window, so that no step is instrumented (no windows would read as a run
     # recorded whole)
-    return pd.DataFrame(joint or [(0, 0)], columns=["start_ns", "end_ns"], dtype="int64")
+    return pd.DataFrame(joint or [NONE_IN_COMMON], columns=["start_ns", "end_ns"], dtype="int64")
 
 
 def windows_apart(windows: pd.DataFrame | None, kernels: pd.DataFrame | None) -> int:
     """How many processes launched kernels in windows of their own with none in common (0: one process, no
     windows, or some overlap)."""
     joint = joint_windows(windows, kernels)
-    if joint is None or len(joint) != 1 or int(joint["end_ns"].iat[0]) > int(joint["start_ns"].iat[0]):
+    if joint is None or len(joint) != 1 or tuple(joint.iloc[0].tolist()) != NONE_IN_COMMON:
         return 0
     return int(windows[windows["pid"].isin(kernels["pid"].unique())]["pid"].nunique())
 

@@ -235,11 +235,7 @@ class KernelSampler:
             if self._steps_since < self._gap:
                 if self._steps_since < self.min_gap:
                     return t
-                # Due early when the starting step's group had no window yet. Its facts may be unknown still
-                # (the hooks give them inside the step): then the step before's group, which a served engine
-                # changes seldom from one step to the next.
-                coming = (phase, batch_size) if phase is not None or batch_size is not None else key
-                if coming in self._seen:
+                if not self._unseen(phase, batch_size, key):  # due early only for a group's first window
                     return t
                 length = self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
             else:
@@ -254,6 +250,13 @@ class KernelSampler:
             return self._open_window(t)
         return t
 
+    def _unseen(self, phase: str | None, batch_size: int | None, key: tuple) -> bool:
+        """The starting step's group had no window yet. Its facts may be unknown still (the hooks give them
+        inside the step): then the step before's group (`key`), which a served engine changes seldom from one
+        step to the next."""
+        coming = (phase, batch_size) if phase is not None or batch_size is not None else key
+        return coming not in self._seen
+
     def _lockstep_length(self, t: int, phase: str | None, batch_size: int | None, key: tuple) -> int:
         """Lockstep: a window's length if one opens at this step count, else 0. Windows open only at
         multiples of LOCKSTEP_SLOT: a group's first (early, as outside lockstep) or, with the probability
@@ -262,8 +265,7 @@ class KernelSampler:
         probability) opens a subset of the windows of one whose cost less: common random numbers."""
         if self._k % LOCKSTEP_SLOT or self._steps_since < self.window_steps:
             return 0
-        coming = (phase, batch_size) if phase is not None or batch_size is not None else key
-        if coming not in self._seen and self._steps_since >= self.min_gap:
+        if self._unseen(phase, batch_size, key) and self._steps_since >= self.min_gap:
             length = self._affordable(t, allowance=EARLY_ALLOWANCE, share=0.5)
             if length >= 1:
                 return length
