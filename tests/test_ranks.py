@@ -8,15 +8,15 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pytest
-from run_factory import Frames, simulate_timeline, write_run
+from run_factory import Frames, KernelTimeline, simulate_timeline, write_kernel_run, write_run
 
 from overshoot.analysis.analyze import summarize
 from overshoot.rundir.clocks import align, resolved
 from overshoot.rundir.reader import load_run
-from overshoot.rundir.spool import BASE_SCHEMAS, SpoolWriter
+from overshoot.rundir.spool import BASE_SCHEMAS
 
 STEPS, COMPUTE_MS, STRAGGLE_MS, DISPATCH_MS = 60, 4.0, 3.0, 0.2
 MS = 1_000_000
@@ -92,23 +92,18 @@ def write_tp_run(path, *, worker_clock_shift_ns: int = 0, worker_boot: str = BOO
     write_run(path, frames(core_steps, core_spans), pid=100, info={"clock": _clock(0)})
     for rank, (steps, spans) in workers.items():
         facts = {"rank": [rank] * STEPS, "world_size": [2] * STEPS, "tp": [2] * STEPS}
-        write_run(path, frames(steps, spans, gpus[rank]), pid=101 + rank, extra=facts,
-                  info={"clock": _clock(-worker_clock_shift_ns, boot=worker_boot)})
+        clock = _clock(-worker_clock_shift_ns, boot=worker_boot)
+        options = dict(pid=101 + rank, extra=facts, info={"clock": clock})
+        worker = frames(steps, spans, gpus[rank])
         if not kernels:
+            write_run(path, worker, **options)
             continue
-        table = pd.DataFrame(launched[rank], columns=BASE_SCHEMAS["kernels"].names)
-        writer = SpoolWriter(path / "spool", f"{101 + rank}-engine")
-        if windows is not None:
+        own = None
+        if windows is not None:  # from the first step's start to the start of the step after the last
             first, last = windows[rank]
-            starts = [row[1] for row in steps]
-            lo, hi = starts[first], starts[last + 1]
-            table = table[(table["launch_start_ns"] >= lo) & (table["launch_start_ns"] < hi)]
-            window = pd.DataFrame({"start_ns": [lo], "end_ns": [hi]})
-            writer.write("kernel_windows", pa.RecordBatch.from_pandas(
-                window, schema=BASE_SCHEMAS["kernel_windows"], preserve_index=False))
-        writer.write("kernels", pa.RecordBatch.from_pandas(table, schema=BASE_SCHEMAS["kernels"],
-                                                           preserve_index=False))
-        writer.close()
+            own = [(steps[first][1], steps[last + 1][1])]
+        table = pd.DataFrame(launched[rank], columns=BASE_SCHEMAS["kernels"].names)
+        write_kernel_run(path, KernelTimeline(worker, table, *([np.zeros(0)] * 3)), windows=own, **options)
 
 
 def test_the_straggler_and_what_it_cost_are_found_from_per_rank_steps(tmp_path):
