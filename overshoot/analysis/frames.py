@@ -59,8 +59,8 @@ def timeline_spans(spans: pd.DataFrame | None, pid: int, thread: str) -> pd.Data
 
 def contains(column: pd.Series, text: str) -> np.ndarray:
     """Per row: the string holds `text` (a regular expression), ignoring case (False where null). Tested once
-    per distinct value
-    (a span label column has a handful among millions of rows), then spread to the rows by code."""
+    per distinct value (a span label column has a handful among millions of rows), then spread to the rows by
+    code."""
     codes, names = codes_and_names(column)
     hit = pd.Series(names).str.contains(text, case=False, na=False)
     return np.append(hit.to_numpy(dtype=bool), False)[codes]  # code -1 (null): the appended False
