@@ -16,11 +16,12 @@ last records (Recorder.settle) and counts that wait, so that this work does not 
 per batch and mode, with the round as the unit (plain and hooked of one round are a pair): the ratio of hooked
 to plain time summed over rounds (the cost averaged over a run), a 90% bootstrap interval of it over rounds,
 and the median of the per-round ratios; and, from every way's decode steps stamped alike (StepClock), the
-median step of each mode against plain's, which the rounds' noise does not reach. Each mode's run directory is
-read back: decode steps recorded, with a GPU interval, and with kernel records. With --profiler, one last
-round runs under torch.profiler (CUDA activity only) for its cost on the same steps (last: it takes over
-CUPTI). With --attach-check-s, plain rounds before any mode and after all of them show whether a process with
-CUPTI attached (all off) runs slower. Several configurations run one process each.
+median step of each mode against plain's, which the rounds' noise does not reach, pooled and paired by round
+(the machine's drift over a call cancelled). Each mode's run directory is read back: decode steps recorded,
+with a GPU interval, and with kernel records. With --profiler, one last round runs under torch.profiler (CUDA
+activity only) for its cost on the same steps (last: it takes over CUPTI). With --attach-check-s, plain rounds
+before any mode and after all of them show whether a process with CUPTI attached (all off) runs slower.
+Several configurations run one process each.
 Prints a table last; writes hook_overhead.json under --out."""
 
 from __future__ import annotations
@@ -236,6 +237,10 @@ def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> di
             "median_high": float(np.quantile(boot_median, 0.95)), "ms": float(np.median(h))}
 
 
+def pooled(rounds: list[list[float]]) -> list[float]:
+    return [step for one in rounds for step in one]
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -257,17 +262,42 @@ def step_cost(plain_us: list[float], hooked_us: list[float], *, seed: int = 0) -
             "step_delta_high_pct": float(np.quantile(boot, 0.95)), "steps": len(hooked_us)}
 
 
+def round_step_cost(plain_rounds: list[list[float]], hooked_rounds: list[list[float]], *,
+                    seed: int = 0) -> dict:
+    """The median step's shift paired by round: per rotation, the mode's round's median step over the plain
+    round's of the same rotation (minutes apart at most, so the machine's drift over a call, which moves
+    the pooled medians by more than the goals' margins, cancels), then the median of those per-round
+    shifts (µs and %) with its 90% bootstrap interval over rounds. {} with fewer than 3 rounds of both."""
+    import numpy as np
+
+    pairs = [(statistics.median(p), statistics.median(h))
+             for p, h in zip(plain_rounds, hooked_rounds, strict=False) if p and h]
+    if len(pairs) < 3:
+        return {}
+    p, h = np.asarray(pairs).T
+    pct, us = 100 * (h / p - 1), h - p
+    boot = np.median(pct[np.random.default_rng(seed).integers(0, len(pct), size=(2000, len(pct)))], axis=1)
+    return {"paired_delta_pct": float(np.median(pct)), "paired_delta_us": float(np.median(us)),
+            "paired_low_pct": float(np.quantile(boot, 0.05)),
+            "paired_high_pct": float(np.quantile(boot, 0.95)),
+            "paired_rounds": len(pairs)}
+
+
 def decomposed(mode: dict) -> str:
     """A mode's cost over a run as the sum of its two parts, each free of the rounds' noise: the median step's
     shift (every step's hooks; 90% interval over steps) and what its kernel-timing windows cost by the run's
     own account (the excess of the steps they slowed, and their switches). '' where either is unknown."""
     run = mode.get("run") or {}
-    if mode.get("step_delta_pct") is None or run.get("accounted") is None or "step_delta_low_pct" not in mode:
-        return ""
-    windows = 100 * run["accounted"]
-    low, high = mode["step_delta_low_pct"] + windows, mode["step_delta_high_pct"] + windows
-    total = mode["step_delta_pct"] + windows
-    return f", decomposed {total:+.2f}% [{low:+.2f}, {high:+.2f}] (median step + windows)"
+    # the round-paired shift where there is one (the machine's drift over the call cancelled), else the pooled
+    for keys, which in (
+            (("paired_delta_pct", "paired_low_pct", "paired_high_pct"), "median step paired by round"),
+            (("step_delta_pct", "step_delta_low_pct", "step_delta_high_pct"), "median step")):
+        shift, low, high = (mode.get(key) for key in keys)
+        if None not in (shift, low, high, run.get("accounted")):
+            windows = 100 * run["accounted"]
+            return (f", decomposed {shift + windows:+.2f}% [{low + windows:+.2f}, {high + windows:+.2f}] "
+                    f"({which} + windows)")
+    return ""
 
 
 def measure_config(name: str, args) -> dict:
@@ -300,7 +330,7 @@ def measure_config(name: str, args) -> dict:
             timed_round(engine, batch, args.tokens, args.prompt_len)  # graphs of this batch size captured
             ways = ["plain", *args.modes]
             times: dict[str, list[float]] = {w: [] for w in ways}
-            steps_us: dict[str, list[float]] = {w: [] for w in ways}
+            steps_us: dict[str, list[list[float]]] = {w: [] for w in ways}  # a list a round
             clock = StepClock(Engine)
             hooked = {m: HookedMode(Path(tmp) / f"b{batch}-{m}", m) for m in args.modes}
             try:
@@ -313,7 +343,7 @@ def measure_config(name: str, args) -> dict:
                             timed_round(engine, batch, args.tokens, args.prompt_len) if way == "plain"
                             else hooked[way].round(engine, batch, args.tokens, args.prompt_len,
                                                    before=clock.take))
-                        steps_us[way].extend(clock.take())
+                        steps_us[way].append(clock.take())
             finally:
                 clock.close()
                 for mode in hooked.values():
@@ -321,9 +351,10 @@ def measure_config(name: str, args) -> dict:
             rounds = len(times["plain"])
             row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
                    "plain_ms": statistics.median(times["plain"]), "rounds": times,
-                   "step_us": _median(steps_us["plain"]),
+                   "step_us": _median(pooled(steps_us["plain"])),
                    "modes": {m: {**paired_cost(times["plain"], times[m]),
-                                 **step_cost(steps_us["plain"], steps_us[m]),
+                                 **step_cost(pooled(steps_us["plain"]), pooled(steps_us[m])),
+                                 **round_step_cost(steps_us["plain"], steps_us[m]),
                                  "run": {**check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens),
                                          "settle_ms": hooked[m].settle_ms}}
                              for m in args.modes}}
@@ -403,6 +434,9 @@ def print_table(results: list[dict], args, clock: dict | None = None) -> None:
                 f"{r['median_ratio']:.3f} [{r['median_low']:.3f}-{r['median_high']:.3f}]"
                 + (f", median step {r['step_delta_us']:+.1f} µs ({r['step_delta_pct']:+.2f}%)"
                    if r.get("step_delta_us") is not None else "")
+                + (f", paired by round {r['paired_delta_us']:+.1f} µs ({r['paired_delta_pct']:+.2f}% "
+                   f"[{r['paired_low_pct']:+.2f}, {r['paired_high_pct']:+.2f}])"
+                   if "paired_delta_pct" in r else "")
                 + (f", own account {100 * r['run']['accounted']:+.2f}% "
                    f"(+{r['run']['setup_ms']:.0f} ms set-up)"
                    if m == "sampled" and r["run"]["accounted"] is not None else "")

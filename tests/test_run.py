@@ -465,6 +465,19 @@ def test_hook_overhead_pairs_rounds_and_times_every_decode_step_of_each_way(tmp_
                "run": {"accounted": 0.003}}
     assert decomposed(sampled) == ", decomposed +0.80% [+0.50, +1.20] (median step + windows)"
     assert decomposed({**sampled, "run": {"accounted": None}}) == ""
+    # the shift paired by round: plain rounds drifting 2.0 -> 3.0 ms a step, each mode round 1% above the
+    # plain round of its rotation, so every round reads 1% whatever the drift
+    from hook_overhead import round_step_cost
+
+    plain = [[2000.0 + 100 * i + j for j in range(5)] for i in range(11)]
+    hooked = [[v * 1.01 for v in one] for one in plain]
+    paired = round_step_cost(plain, hooked)
+    assert paired["paired_delta_pct"] == pytest.approx(1.0) and paired["paired_rounds"] == 11
+    assert paired["paired_low_pct"] == pytest.approx(1.0) and paired["paired_high_pct"] == pytest.approx(1.0)
+    assert paired["paired_delta_us"] == pytest.approx(25.02)  # 1% of the middle round's median step
+    assert decomposed({**sampled, **paired}) == (
+        ", decomposed +1.30% [+1.30, +1.30] (median step paired by round + windows)")
+    assert round_step_cost(plain[:2], hooked[:2]) == {}  # too few rounds: the pooled shift stands
     # the host's clock read cost beside the figures it explains (the hooks read it ~15 times a step)
     clock = json.loads((tmp_path / "hook_overhead.json").read_text())["host_clock"]
     assert 0 < clock["perf_counter_ns_ns"] < 100_000
