@@ -88,7 +88,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
             "kernel_steps", "gpu_timing", "spec_tokens_mean")
     row |= {key: group.get(key) for key in keys}
     top = max(group.get("gpu_idle_by_label") or [], key=lambda r: r["share_pct"], default=None)
-    row["idle_in"] = f"{top['label']} {top['share_pct']:.0f}%" if top else None
+    lent = " (borrowed)" if group.get("gpu_idle_by_label_borrowed") else ""  # no window of its own
+    row["idle_in"] = f"{top['label']} {top['share_pct']:.0f}%{lent}" if top else None
     if args.truth:
         row |= profiler_truth(flags, args)
         if row.get("profiler_busy_ms") and row.get("step_ms_median"):
