@@ -146,6 +146,33 @@ def test_what_kernel_timing_adds_to_each_launch_is_measured_and_taken_out(tmp_pa
     assert any("every step of 1 group(s) was instrumented" in note for note in every.notes)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kernels_mode_after_its_lead_reads_the_group_as_the_engine_runs_unobserved(tmp_path, mode):
+    """Kernels mode: plain steps before its one window (the collector's set-up), then every step with launch
+    calls 6 µs longer. The group's GPU idle is the unobserved engine's (step times from the lead, GPU busy
+    from the window); an instrumented step's own row keeps what it measured, inflated where the longer
+    launches starved its GPU (docs/concepts.md)."""
+    lead = 20
+    inside = np.zeros(200, bool)
+    inside[lead:] = True
+    params = CASES["mixed"]
+    recorded = simulate_kernel_timeline(200, mode=mode, collector_us=6.0, instrumented=inside, **params)
+    steps = recorded.frames.steps
+    window = (int(steps["start_ns"].iloc[lead]), int(steps["end_ns"].iloc[-1]))
+    run = load_run(write_kernel_run(tmp_path / mode, recorded, windows=[window]))
+    unobserved = simulate_kernel_timeline(200, mode=mode, **params)
+    group = summarize(run).groups.iloc[0]
+    share, step_ms = unobserved.idle_share[1:], unobserved.step_ms[1:]
+    true_idle = 100 * (share * step_ms).sum() / step_ms.sum()
+    assert group["gpu_idle_pct"] == pytest.approx(true_idle, abs=1.0)
+    rows = steps_table(run)
+    measured = (rows["gpu_timing"] == "kernels").to_numpy()
+    assert measured.sum() == 200 - lead
+    own = rows["gpu_idle_share"].to_numpy()[measured]
+    assert np.allclose(own, recorded.idle_share[measured], atol=0.02)  # what each instrumented step measured
+    assert 100 * (own - unobserved.idle_share[measured]).max() > (10 if mode == "async" else 1)
+
+
 def test_sampled_kernel_timing_takes_busy_from_windows_and_step_times_from_plain_steps(tmp_path):
     """Kernels recorded in windows of 10 steps out of 50. Plain steps get the verdict from their own step time
     and the group's GPU busy; inside-idle stays unknown (null) for them; the group says 'sampled'."""
