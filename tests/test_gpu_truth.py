@@ -143,7 +143,8 @@ def test_what_kernel_timing_adds_to_each_launch_is_measured_and_taken_out(tmp_pa
     assert float(fit.split("within ")[1].split("%")[0]) <= 1.0, fit
     _assert_what_ifs_match_reruns(summary.groups.iloc[0], unobserved, mode, CASES["mixed"])
     every = summarize(load_run(write_kernel_run(tmp_path / f"{mode}-all", unobserved)), what_ifs=[GPU_FASTER])
-    assert any("every step of 1 group(s) was instrumented" in note for note in every.notes)
+    assert any("every step of 1 group(s) was instrumented" in note and "GPU idle share" in note
+               for note in every.notes)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -478,9 +478,10 @@ def _collector_notes(primary: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
                      "the median of those measured); the replay takes that out of the instrumented steps")
     every = int((groups["gpu_timing"] == "kernels").sum()) if "gpu_timing" in groups.columns else 0
     if every:
-        notes.append(f"what-if: every step of {every} group(s) was instrumented, so what kernel timing "
-                     "adds to each launch (no plain steps to measure it against) stays in their CPU side; "
-                     "--gpu-timing sampled measures it and takes it out")
+        notes.append(f"every step of {every} group(s) was instrumented, so what kernel timing adds to each "
+                     "launch (no plain steps to measure it against) stays in their CPU side and their GPU "
+                     "idle share (both read high where it slowed the launches); --gpu-timing sampled "
+                     "measures it and takes it out")
     return notes
 
 
