@@ -69,10 +69,11 @@ class ScheduledBatch:
     phase: str  # prefill | decode
     num_tokens: int
     spec_tokens: int = 0  # draft tokens verified in this step (each sequence's in Sequence.draft)
+    # A plain attribute, not a property: the hooks read it every step in C, and a property runs Python there.
+    num_seqs: int = field(init=False)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
+    def __post_init__(self) -> None:
+        self.num_seqs = len(self.seqs)  # (seqs is never changed after scheduling)
 
 
 class Scheduler:
