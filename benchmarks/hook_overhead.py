@@ -285,10 +285,10 @@ def round_step_cost(plain_rounds: list[list[float]], hooked_rounds: list[list[fl
 
 def decomposed(mode: dict) -> str:
     """A mode's cost over a run as the sum of its two parts, each free of the rounds' noise: the median step's
-    shift (every step's hooks; 90% interval over steps) and what its kernel-timing windows cost by the run's
-    own account (the excess of the steps they slowed, and their switches). '' where either is unknown."""
+    shift (every step's hooks; paired by round where there are rounds enough, its 90% interval over rounds,
+    else pooled, over steps) and what its kernel-timing windows cost by the run's own account (the excess
+    of the steps they slowed, and their switches). '' where either is unknown."""
     run = mode.get("run") or {}
-    # the round-paired shift where there is one (the machine's drift over the call cancelled), else the pooled
     for keys, which in (
             (("paired_delta_pct", "paired_low_pct", "paired_high_pct"), "median step paired by round"),
             (("step_delta_pct", "step_delta_low_pct", "step_delta_high_pct"), "median step")):
