@@ -222,13 +222,20 @@ def check_run(run_dir: Path, cuda: bool, hooked_ms: float) -> dict:
             "accounted": (switch_ms - setup_ms + excess_ms) / hooked_ms if hooked_ms > 0 else None}
 
 
+def resampled_rounds(n: int, seed: int):
+    """2,000 bootstrap resamples of n rounds (row i: the rounds picked, with replacement, for resample i)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, n, size=(2000, n))
+
+
 def paired_cost(plain: list[float], hooked: list[float], *, seed: int = 0) -> dict:
     """Hooked over plain time summed over rounds, its 90% bootstrap interval (rounds resampled as pairs)
     and the median per-round ratio."""
     import numpy as np
 
     p, h = np.asarray(plain), np.asarray(hooked)
-    picks = np.random.default_rng(seed).integers(0, len(p), size=(2000, len(p)))
+    picks = resampled_rounds(len(p), seed)
     boot = h[picks].sum(axis=1) / p[picks].sum(axis=1)
     boot_median = np.median((h / p)[picks], axis=1)  # robust to a round the machine slowed mid-way
     return {"ratio": float(h.sum() / p.sum()), "low": float(np.quantile(boot, 0.05)),
@@ -276,7 +283,7 @@ def round_step_cost(plain_rounds: list[list[float]], hooked_rounds: list[list[fl
         return {}
     p, h = np.asarray(pairs).T
     pct, us = 100 * (h / p - 1), h - p
-    boot = np.median(pct[np.random.default_rng(seed).integers(0, len(pct), size=(2000, len(pct)))], axis=1)
+    boot = np.median(pct[resampled_rounds(len(pct), seed)], axis=1)
     return {"paired_delta_pct": float(np.median(pct)), "paired_delta_us": float(np.median(us)),
             "paired_low_pct": float(np.quantile(boot, 0.05)),
             "paired_high_pct": float(np.quantile(boot, 0.95)),
@@ -349,11 +356,12 @@ def measure_config(name: str, args) -> dict:
                 for mode in hooked.values():
                     mode.close()
             rounds = len(times["plain"])
+            plain_steps = pooled(steps_us["plain"])
             row = {"config": name, "label": label, "batch": batch, "rounds_done": rounds,
                    "plain_ms": statistics.median(times["plain"]), "rounds": times,
-                   "step_us": _median(pooled(steps_us["plain"])),
+                   "step_us": _median(plain_steps),
                    "modes": {m: {**paired_cost(times["plain"], times[m]),
-                                 **step_cost(pooled(steps_us["plain"]), pooled(steps_us[m])),
+                                 **step_cost(plain_steps, pooled(steps_us[m])),
                                  **round_step_cost(steps_us["plain"], steps_us[m]),
                                  "run": {**check_run(hooked[m].run_dir, cuda, sum(times[m]) * args.tokens),
                                          "settle_ms": hooked[m].settle_ms}}
